@@ -1,0 +1,36 @@
+# The two commands: `make quickstart` and `make test`. Each sets up .venv when it is missing.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test lint venv lock clean
+
+# Reinstall only when the dependency pins change; otherwise this is a no-op.
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (lowcomm needs Python 3.11)"; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing lowcomm and its pinned dependencies into $(VENV) (a few minutes, once)"
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip check
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) -m lowcomm.quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks analysis
+
+lock: $(STAMP)
+	{ head -2 constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; \
+	  echo "torch==2.13.0"; } > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,35 @@
+"""What a codec is: a pure transform between a tensor and the tensors that go on the wire.
+
+A codec never talks to the network. ``encode`` returns a :class:`Payload` whose ``tensors`` are
+exactly what an optimizer hands to the Communicator, so the meter counts real bytes, never a
+formula. ``decode`` turns one or more payloads (e.g. the W payloads of an all-gather) back into
+a dense tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class Payload:
+    """The tensors a codec puts on the wire, plus metadata every rank can rebuild locally
+    (shapes, chunk sizes: derived from the parameter, so never sent)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, tensor: torch.Tensor) -> Payload: ...
+
+    def decode(self, payloads: list[Payload]) -> torch.Tensor: ...

@@ -1,0 +1,323 @@
+"""Config schemas and validation: everything is checked here, before any process is spawned
+or any job submitted, and every error names the key and what is allowed.
+
+The Hydra tree under ``configs/`` composes a DictConfig; :func:`validate` turns it into a
+:class:`RunConfig` of typed dataclasses or raises :class:`ConfigError` listing every problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lowcomm.models.olmo import ModelSpec
+
+
+class ConfigError(ValueError):
+    """A config that must not reach a launch. ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def config_dir() -> Path:
+    """The repository's ``configs/`` (lowcomm is installed editable from its checkout)."""
+    import os
+
+    override = os.environ.get("LOWCOMM_CONFIG_DIR")
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "configs"
+    if not (path / "train.yaml").is_file():
+        raise FileNotFoundError(
+            f"lowcomm's Hydra configs are not at {path}; install lowcomm editable from its checkout "
+            "(pip install -e .) or set LOWCOMM_CONFIG_DIR"
+        )
+    return path
+
+
+def repo_root() -> Path:
+    return config_dir().parent
+
+
+@dataclass
+class TrainSpec:
+    global_batch_size: int = 32  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    seq_len: int = 128  # tokens per instance (inputs are the first L-1, targets the last L-1)
+    max_steps: int = 300
+    warmup_steps: int = 30
+    alpha_f: float = 0.1  # cosine decays the lr to alpha_f x lr
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    eval_every: int = 50
+    eval_instances: int = 256
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class DataSpec:
+    name: str = "synthetic"
+    # synthetic
+    seed: int = 1234
+    n_topics: int = 8
+    concentration: float = 0.15
+    doc_length: list[int] = field(default_factory=lambda: [16, 192])
+    train_tokens: int = 4_000_000
+    val_tokens: int = 131_072
+    # memmap / text
+    paths: list[str] = field(default_factory=list)
+    val_paths: list[str] = field(default_factory=list)
+    dtype: str = "uint16"
+    val_fraction: float = 0.01  # text: share of documents held out for validation
+
+
+@dataclass
+class ClusterSpec:
+    name: str = "local"
+    launcher: str = "local"  # local | slurm
+    workers: int = 4  # local launcher: processes on this machine
+    device: str = "auto"  # auto | cpu | cuda
+    threads_per_worker: int = 0  # 0: cores / workers
+    # SLURM (used when launcher == slurm)
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: int = 0
+    timeout_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    signal: str = "USR2"
+    signal_delay_s: int = 120
+    max_requeues: int = 3
+
+
+@dataclass
+class WandbSpec:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "lowcomm"
+    entity: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec
+    optimizer: Any  # the strategy's Config dataclass
+    optimizer_name: str
+    compression: dict[str, Any]
+    data: DataSpec
+    train: TrainSpec
+    cluster: ClusterSpec
+    wandb: WandbSpec
+    experiment: str
+    run_root: str
+    run_name: str
+    seed: int
+    raw: dict[str, Any]  # the resolved config as plain containers, written to config.yaml
+
+    @property
+    def world_size(self) -> int:
+        return world_size_of(self.cluster)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.experiment / self.run_name
+
+    @property
+    def strategy_class(self):
+        from lowcomm.strategies import STRATEGIES
+
+        return STRATEGIES[self.optimizer_name]
+
+
+def world_size_of(cluster: ClusterSpec) -> int:
+    return cluster.workers if cluster.launcher == "local" else cluster.nodes * cluster.tasks_per_node
+
+
+# Keys that do not change what is trained, so they do not change the run name.
+_NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment")
+_LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances")
+
+
+def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
+    """``<model>-<optimizer>[-<compression>]-w<W>-<hash>``: deterministic, so a requeued job
+    finds its own checkpoints, and a different config never shares a directory."""
+    semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
+    semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+    semantic["world_size"] = world_size
+    digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    parts = [raw["model"]["name"], raw["optimizer"]["name"]]
+    if raw["compression"].get("name", "none") != "none":
+        parts.append(raw["compression"]["name"])
+    return "-".join(parts + [f"w{world_size}", digest])
+
+
+def _typed(schema: type, node: Any, key: str, errors: list[str]):
+    """Merge a config node into its dataclass schema; report unknown keys and bad types."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        detail = str(exc).splitlines()[0]
+        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        errors.append(f"{key}: {detail} (allowed keys: {allowed})")
+        return None
+
+
+def _one_of(value: Any, allowed: tuple, key: str, errors: list[str]) -> None:
+    if value not in allowed:
+        errors.append(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: DictConfig | dict) -> RunConfig:
+    """Check a composed config completely; raise ConfigError with every problem found."""
+    from lowcomm.compress.registry import CODECS
+    from lowcomm.strategies import STRATEGIES
+
+    if isinstance(cfg, DictConfig):
+        raw = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        raw = dict(cfg)
+    errors: list[str] = []
+    for group in ("model", "optimizer", "compression", "data", "train", "cluster"):
+        if not isinstance(raw.get(group), dict):
+            errors.append(f"{group}: missing; the config must set the {group} group")
+    if errors:
+        raise ConfigError(errors)
+
+    model = _typed(ModelSpec, raw["model"], "model", errors)
+    train = _typed(TrainSpec, raw["train"], "train", errors)
+    data = _typed(DataSpec, raw["data"], "data", errors)
+    cluster = _typed(ClusterSpec, raw["cluster"], "cluster", errors)
+    wandb = _typed(WandbSpec, raw.get("wandb") or {}, "wandb", errors)
+
+    opt_fields = dict(raw["optimizer"])
+    opt_name = opt_fields.pop("name", None)
+    optimizer = None
+    if opt_name not in STRATEGIES:
+        _one_of(opt_name, tuple(sorted(STRATEGIES)), "optimizer.name", errors)
+    else:
+        strategy = STRATEGIES[opt_name]
+        optimizer = _typed(strategy.Config, opt_fields, "optimizer", errors)
+        if optimizer is not None:
+            errors += optimizer.validate()
+        compression_name = raw["compression"].get("name", "none")
+        if compression_name not in ("none", *CODECS):
+            _one_of(compression_name, ("none", *sorted(CODECS)), "compression.name", errors)
+        elif compression_name not in strategy.accepts_compression:
+            errors.append(
+                f"compression={compression_name} cannot be used with optimizer={opt_name}; "
+                f"it accepts: {', '.join(strategy.accepts_compression)}"
+            )
+
+    if model is not None:
+        errors += model.validate()
+    if cluster is not None:
+        _one_of(cluster.launcher, ("local", "slurm"), "cluster.launcher", errors)
+        _one_of(cluster.device, ("auto", "cpu", "cuda"), "cluster.device", errors)
+        if cluster.launcher == "local" and cluster.workers < 1:
+            errors.append(f"cluster.workers must be >= 1, got {cluster.workers}")
+        if cluster.launcher == "slurm" and (cluster.nodes < 1 or cluster.tasks_per_node < 1):
+            errors.append("cluster.nodes and cluster.tasks_per_node must be >= 1")
+    if wandb is not None:
+        _one_of(wandb.mode, ("offline", "online", "disabled"), "wandb.mode", errors)
+    if train is not None:
+        _validate_train(train, model, cluster, errors)
+    if data is not None and train is not None:
+        _validate_data(data, model, train, errors)
+
+    experiment = str(raw.get("experiment_name") or "default")
+    if errors:
+        raise ConfigError(errors)
+    world = world_size_of(cluster)
+    run_name = raw.get("run_name") or derive_run_name(raw, world)
+    raw["run_name"] = run_name
+    return RunConfig(
+        model=model, optimizer=optimizer, optimizer_name=opt_name, compression=dict(raw["compression"]),
+        data=data, train=train, cluster=cluster, wandb=wandb, experiment=experiment,
+        run_root=str(raw.get("run_root") or "runs"), run_name=run_name, seed=int(raw.get("seed", 0)), raw=raw,
+    )
+
+
+def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterSpec | None, errors: list[str]):
+    for key in ("global_batch_size", "micro_batch_size", "max_steps", "log_every", "eval_instances"):
+        if getattr(train, key) < 1:
+            errors.append(f"train.{key} must be >= 1, got {getattr(train, key)}")
+    if train.seq_len < 2:
+        errors.append(f"train.seq_len must be >= 2 (inputs and targets are shifted by one), got {train.seq_len}")
+    if model is not None and train.seq_len > model.max_sequence_length:
+        errors.append(
+            f"train.seq_len={train.seq_len} is above the model's maximum "
+            f"(model.max_sequence_length={model.max_sequence_length})"
+        )
+    if cluster is not None and train.global_batch_size >= 1 and train.micro_batch_size >= 1:
+        world = world_size_of(cluster)
+        if world >= 1 and train.global_batch_size % (world * train.micro_batch_size):
+            errors.append(
+                f"train.global_batch_size={train.global_batch_size} is not divisible by world size x "
+                f"micro-batch = {world} x {train.micro_batch_size} = {world * train.micro_batch_size}"
+            )
+    if train.warmup_steps < 0 or train.warmup_steps > train.max_steps:
+        errors.append(
+            f"train.warmup_steps={train.warmup_steps} must be in [0, train.max_steps={train.max_steps}]"
+        )
+    if not 0 <= train.alpha_f <= 1:
+        errors.append(f"train.alpha_f must be in [0, 1], got {train.alpha_f}")
+    if train.max_grad_norm < 0:
+        errors.append(f"train.max_grad_norm must be >= 0 (0 disables clipping), got {train.max_grad_norm}")
+    _one_of(train.precision, ("auto", "fp32", "bf16"), "train.precision", errors)
+    if train.checkpoint_every < 0 or train.eval_every < 0:
+        errors.append("train.checkpoint_every and train.eval_every must be >= 0 (0 disables)")
+    if train.keep_checkpoints < 1:
+        errors.append(f"train.keep_checkpoints must be >= 1, got {train.keep_checkpoints}")
+
+
+def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, errors: list[str]):
+    from lowcomm.data.memmap import DTYPES, DataError, check_token_file, expand_paths
+    from lowcomm.data.synthetic import SyntheticSpec
+
+    _one_of(data.name, ("synthetic", "memmap", "text"), "data.name", errors)
+    if data.name == "synthetic":
+        if model is not None and model.tokenizer != "bytes":
+            errors.append(f"data=synthetic is written in the byte tokenizer; model.tokenizer is {model.tokenizer!r}")
+        errors += synthetic_spec(data, train.seq_len).validate() if len(data.doc_length) == 2 else [
+            f"data.doc_length must be [min, max], got {data.doc_length}"
+        ]
+        return
+    if data.name == "memmap":
+        _one_of(data.dtype, tuple(DTYPES), "data.dtype", errors)
+        for key in ("paths", "val_paths"):
+            try:
+                for path in expand_paths(getattr(data, key), f"data.{key}"):
+                    check_token_file(path, data.dtype, vocab_size=model.vocab_size if model else None,
+                                     key=f"data.{key}")
+            except DataError as exc:
+                errors.append(str(exc))
+        return
+    if data.name == "text":
+        try:
+            expand_paths(data.paths, "data.paths")
+        except DataError as exc:
+            errors.append(str(exc))
+        if not 0 < data.val_fraction < 1:
+            errors.append(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+
+
+def synthetic_spec(data: DataSpec, seq_len: int):
+    from lowcomm.data.synthetic import SyntheticSpec
+
+    return SyntheticSpec(
+        seed=data.seed, n_topics=data.n_topics, concentration=data.concentration,
+        doc_length=tuple(data.doc_length), train_tokens=data.train_tokens, val_tokens=data.val_tokens,
+        seq_len=seq_len,
+    )

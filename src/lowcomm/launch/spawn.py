@@ -1,0 +1,75 @@
+"""Run a function on W local processes joined by a real gloo process group.
+
+Used by the tests, the benchmarks and anything else that needs a few CPU workers without the
+full training launcher: ``results = spawn_workers(fn, world_size, *args)`` calls
+``fn(rank, world_size, *args)`` in each process (after ``init_process_group``) and returns
+the W return values in rank order. A worker's exception is re-raised here with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue, threads):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent, then die
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1
+) -> list[Any]:
+    """``fn`` must be importable (module level) so the spawn start method can pickle it."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, threads), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout_s)
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if failures else timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,88 @@
+"""The strategy seam: how a named optimizer config becomes (wrapped model, optimizer).
+
+A strategy is a class registered under the optimizer config's ``name`` with a dataclass
+``Config`` that is the schema of ``configs/optimizer/<name>.yaml``. Adding an optimizer to the
+harness means one such class and one config file; the training loop only ever calls the
+methods below and never branches on a name.
+
+Contract with the loop:
+- ``build(model)`` returns the module to run forward/backward on and the optimizer whose
+  ``step()`` does all communication (directly or through DDP comm hooks) via ``self.comm``;
+- ``no_sync(model)`` wraps every micro-batch but the last of a step (gradient accumulation);
+- the LR schedule multiplies each param group's ``initial_lr``; an optimizer that wraps
+  another (DiLoCo) exposes in ``param_groups`` the groups the schedule should drive;
+- ``replicated_optimizer_state``: True when every rank holds the same optimizer state, so
+  checkpoints keep one copy; False means one file per rank;
+- ``extra_state()`` / ``load_extra_state()``: anything else to resume exactly (comm-hook state);
+- ``model_state_dict`` / ``clip_grad_norm``: overridden by strategies that shard the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lowcomm.comm import Communicator
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    if cls.name in STRATEGIES:
+        raise ValueError(f"strategy {cls.name!r} registered twice")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+@dataclass
+class OptimizerConfig:
+    """Fields every optimizer config has. Subclasses add theirs."""
+
+    lr: float = 4e-4
+
+    def validate(self) -> list[str]:
+        return [] if self.lr > 0 else [f"optimizer.lr must be > 0, got {self.lr}"]
+
+
+class Strategy:
+    name: ClassVar[str]
+    Config: ClassVar[type[OptimizerConfig]] = OptimizerConfig
+    # compression config names this strategy can send with (validated before launch)
+    accepts_compression: ClassVar[tuple[str, ...]] = ("none",)
+    replicated_optimizer_state: ClassVar[bool] = True
+
+    def __init__(self, cfg: OptimizerConfig, compression: dict[str, Any], comm: Communicator):
+        self.cfg = cfg
+        self.compression = compression
+        self.comm = comm
+
+    def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        raise NotImplementedError
+
+    def no_sync(self, model: torch.nn.Module):
+        return contextlib.nullcontext()
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The bare model inside whatever ``build`` wrapped it in."""
+        return getattr(model, "module", model)
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full, unsharded model state (what a checkpoint's ``model.pt`` holds)."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the gradients the optimizer will see (averaged under DDP, local otherwise)."""
+        return float(torch.nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm))
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"strategy {self.name!r} got extra state it does not know: {sorted(state)}")

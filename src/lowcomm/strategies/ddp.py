@@ -1,0 +1,85 @@
+"""Every-step data parallelism: PyTorch's DistributedDataParallel with its gradient buckets
+all-reduced through the Communicator, followed by a local optimizer step.
+
+DDP keeps its bucketing and its overlap of communication with the backward pass; the comm
+hook only replaces the transport, so every gradient byte is metered. DDP is built with
+``init_sync=False`` (every rank builds the model from the same seed, or loads the same
+checkpoint, so the initial broadcast would be an unmetered no-op). What DDP still sends
+outside the hook is one-time metadata: its C++ reducer broadcasts the bucket order once after
+the first backward (one int per parameter). It is not gradient traffic and does not recur.
+"""
+
+# No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lowcomm.comm import Communicator
+from lowcomm.strategies.base import OptimizerConfig, Strategy, register
+
+
+def metered_allreduce_hook(
+    comm: Communicator, bucket: torch.distributed.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: average the bucket's flat gradient buffer over the workers."""
+    work = comm.all_reduce(bucket.buffer(), op="avg", async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class DDPStrategy(Strategy):
+    """Base for strategies that all-reduce gradients every step; subclasses pick the optimizer
+    (``make_optimizer``) and may replace the hook (``register_hook``)."""
+
+    bucket_cap_mb: float = 25.0
+
+    def build(self, model: torch.nn.Module):
+        device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
+        ddp = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, init_sync=False,
+            forward_sync_buffers=False, gradient_as_bucket_view=True,
+        )
+        self.register_hook(ddp)
+        return ddp, self.make_optimizer(ddp.module)
+
+    def register_hook(self, ddp: DistributedDataParallel) -> None:
+        ddp.register_comm_hook(self.comm, metered_allreduce_hook)
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def no_sync(self, model: DistributedDataParallel):
+        return model.no_sync()
+
+
+@dataclass
+class AdamWDDPConfig(OptimizerConfig):
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+    def validate(self) -> list[str]:
+        errors = super().validate()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        return errors
+
+
+@register
+class AdamWDDP(DDPStrategy):
+    """The paper's baseline: DDP all-reduce of fp32 gradients, then AdamW (OLMo's settings)."""
+
+    name = "adamw_ddp"
+    Config = AdamWDDPConfig
+
+    def make_optimizer(self, model):
+        cfg = self.cfg
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
+
+    def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
+        """Per step and worker: every gradient element once, in the parameters' dtype."""
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

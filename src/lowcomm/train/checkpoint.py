@@ -1,0 +1,199 @@
+"""Checkpoints that are complete or absent, and a resume that continues bit-for-bit.
+
+Layout: ``<run_dir>/checkpoints/step_000000100/`` holding
+- ``model.pt``: the full model state (rank 0);
+- ``optim.pt`` (rank 0) when the optimizer state is the same on every rank, else
+  ``optim_rank<r>.pt``;
+- ``rank<r>.pt``: per rank, RNG states, the Communicator meter, the strategy's extra state;
+- ``trainer.json``: step, data position;
+- ``manifest.json``: every file above with its size, written last.
+
+A checkpoint is written into ``.tmp_step_*``, every rank's files are flushed, and rank 0 writes
+the manifest and renames the directory: a directory named ``step_*`` with a manifest is
+complete. On resume every rank checks the newest candidate (manifest, every file present with
+its recorded size, every file loadable); if any rank finds a problem the error names the file
+and all ranks fall back to the previous checkpoint together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowcomm.comm import Communicator
+
+log = logging.getLogger("lowcomm.checkpoint")
+MANIFEST = "manifest.json"
+TRAINER = "trainer.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be used; the message names the file."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def list_checkpoints(checkpoint_root: Path) -> list[Path]:
+    """Complete-looking checkpoint directories (named step_*), newest first."""
+    if not checkpoint_root.is_dir():
+        return []
+    dirs = [p for p in checkpoint_root.iterdir() if p.is_dir() and p.name.startswith("step_")]
+    return sorted(dirs, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+
+def verify_files(directory: Path) -> dict:
+    """Check the manifest and every file it lists; return the manifest or raise naming the file."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path} is missing (an incomplete checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{manifest_path} is corrupt: {exc}") from exc
+    for name, size in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{path} is truncated or altered: {path.stat().st_size} bytes, manifest says {size}")
+    return manifest
+
+
+def load_file(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Restored:
+    step: int
+    consumed: int
+    path: Path
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, comm: Communicator, strategy, keep: int):
+        self.root = run_dir / "checkpoints"
+        self.comm = comm
+        self.strategy = strategy
+        self.keep = keep
+
+    # ------------------------------------------------------------------- save
+    def save(self, step: int, model, optimizer, consumed: int) -> Path:
+        rank, is_main = self.comm.rank, self.comm.rank == 0
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp_{step_dir_name(step)}"
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.comm.barrier()
+        replicated = self.strategy.replicated_optimizer_state
+        model_state = self.strategy.model_state_dict(model)
+        if is_main:
+            _atomic_save(model_state, tmp / "model.pt")
+            (tmp / TRAINER).write_text(json.dumps({"step": step, "consumed": consumed,
+                                                   "world_size": self.comm.world_size}))
+        if is_main or not replicated:
+            _atomic_save(optimizer.state_dict(), tmp / ("optim.pt" if replicated else f"optim_rank{rank}.pt"))
+        _atomic_save({"rng": rng_state(), "meter": self.comm.meter.state_dict(),
+                      "strategy": self.strategy.extra_state()}, tmp / f"rank{rank}.pt")
+        self.comm.barrier()
+        if is_main:
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            for old in list_checkpoints(self.root)[self.keep :]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.comm.barrier()
+        return final
+
+    # --------------------------------------------------------------- restore
+    def restore_latest(self, model, optimizer) -> Restored | None:
+        """Load the newest usable checkpoint into model/optimizer/RNG/meter; None if none."""
+        for directory in list_checkpoints(self.root):
+            loaded, problem = None, None
+            try:
+                loaded = self._read(directory)
+            except CheckpointError as exc:
+                problem = str(exc)
+            if self.comm.agree(problem is not None):
+                log.error("checkpoint %s unusable (%s); falling back to the previous one",
+                          directory.name, problem or "another rank could not read it")
+                continue
+            self._apply(loaded, model, optimizer)
+            trainer = loaded["trainer"]
+            return Restored(step=trainer["step"], consumed=trainer["consumed"], path=directory)
+        return None
+
+    def _read(self, directory: Path) -> dict:
+        verify_files(directory)
+        rank = self.comm.rank
+        trainer = json.loads((directory / TRAINER).read_text())
+        if trainer["world_size"] != self.comm.world_size:
+            raise CheckpointError(
+                f"{directory / TRAINER} was written by {trainer['world_size']} ranks, this run has "
+                f"{self.comm.world_size}"
+            )
+        optim_name = "optim.pt" if self.strategy.replicated_optimizer_state else f"optim_rank{rank}.pt"
+        return {
+            "trainer": trainer,
+            "model": load_file(directory / "model.pt"),
+            "optim": load_file(directory / optim_name),
+            "rank": load_file(directory / f"rank{rank}.pt"),
+        }
+
+    def _apply(self, loaded: dict, model, optimizer) -> None:
+        self.strategy.load_model_state_dict(model, loaded["model"])
+        optimizer.load_state_dict(loaded["optim"])
+        self.strategy.load_extra_state(loaded["rank"]["strategy"])
+        self.comm.meter.load_state_dict(loaded["rank"]["meter"])
+        set_rng_state(loaded["rank"]["rng"])
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with tmp.open("wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,215 @@
+"""The training loop: one loop for every optimizer. It talks to the strategy seam only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lowcomm.comm import Communicator
+from lowcomm.config import RunConfig
+from lowcomm.data import BatchOrder, open_data, validation_indices
+from lowcomm.launch.env import DistEnv
+from lowcomm.models import build_model, count_parameters
+from lowcomm.train.checkpoint import CheckpointManager
+from lowcomm.train.metrics import MetricsWriter, Progress
+from lowcomm.train.schedule import apply_lr, lr_multiplier
+
+log = logging.getLogger("lowcomm.train")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_step: int
+    preempted: bool
+    summary: dict
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device=cuda but no GPU is visible")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(env: DistEnv, device: torch.device) -> None:
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                device_id=device if device.type == "cuda" else None)
+
+
+def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    logits = model(tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1),
+                           reduction=reduction)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None):
+        self.run, self.env, self.should_stop = run, env, should_stop
+        threads = run.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // env.local_world_size)
+        torch.set_num_threads(threads)
+        self.device = pick_device(run.cluster.device, env.local_rank)
+        init_distributed(env, self.device)
+        self.comm = Communicator()
+        self.is_main = self.comm.rank == 0
+        self.run_dir = run.run_dir
+        train = run.train
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda" and train.precision in ("auto", "bf16")
+            else contextlib.nullcontext()
+        )
+        self.data = open_data(run.data, train.seq_len, run.run_root, run.model.tokenizer)
+        model = build_model(run.model, self.device, seed=run.seed)
+        self.n_params = count_parameters(model)
+        self.strategy = run.strategy_class(run.optimizer, run.compression, self.comm)
+        self.model, self.optimizer = self.strategy.build(model)
+        self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.comm.rank,
+                                self.comm.world_size, train.micro_batch_size, seed=run.seed)
+        self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints)
+
+    # ----------------------------------------------------------------- pieces
+    def train_step(self, step: int) -> torch.Tensor:
+        micro_batches = self.order.indices_for_step(step)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, indices in enumerate(micro_batches):
+            tokens = self.data.train.batch(indices).to(self.device, non_blocking=True)
+            last = i == len(micro_batches) - 1
+            with (contextlib.nullcontext() if last else self.strategy.no_sync(self.model)), self.autocast:
+                loss = next_token_loss(self.model, tokens)
+            (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        if self.run.train.max_grad_norm > 0:
+            self.strategy.clip_grad_norm(self.model, self.run.train.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / len(micro_batches)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean next-token loss over the fixed validation slice, across all ranks."""
+        self.model.eval()
+        indices = validation_indices(len(self.data.val), self.run.train.eval_instances, self.comm.rank,
+                                     self.comm.world_size)
+        totals = torch.zeros(2, dtype=torch.float64)
+        for start in range(0, len(indices), self.run.train.micro_batch_size):
+            tokens = self.data.val.batch(indices[start : start + self.run.train.micro_batch_size]).to(self.device)
+            with self.autocast:
+                nll = next_token_loss(self.strategy.unwrap(self.model), tokens, reduction="sum")
+            totals += torch.tensor([nll.item(), tokens[:, 1:].numel()], dtype=torch.float64)
+        self.comm.all_reduce(totals, purpose="control")
+        self.model.train()
+        return float(totals[0] / totals[1])
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        value = value.detach().to(torch.float64).cpu().reshape(1)
+        self.comm.all_reduce(value, op="avg", purpose="control")
+        return float(value.item())
+
+    # ------------------------------------------------------------------- loop
+    def fit(self) -> TrainResult:
+        run, train = self.run, self.run.train
+        restored = self.checkpoints.restore_latest(self.model, self.optimizer)
+        start = restored.step if restored else 0
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            where = f"resuming from {restored.path.name}" if restored else "starting"
+            print(f"[lowcomm] {run.run_name}: {where}; {self.n_params:,} params, {self.comm.world_size} "
+                  f"workers on {self.device.type}, data {self.data.description}", flush=True)
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=run.run_name,
+                               config=run.raw, resume_step=start if restored else None)
+        progress = Progress(train.max_steps, start, enabled=self.is_main)
+        tokens_per_step = train.global_batch_size * train.seq_len
+        window_t0, window_steps, compute_s = time.perf_counter(), 0, 0.0
+        preempted, val_loss = False, None
+        self.model.train()
+        step = start
+        for step in range(start, train.max_steps):
+            lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))
+            t0 = time.perf_counter()
+            loss = self.train_step(step)
+            compute_s += time.perf_counter() - t0
+            window_steps += 1
+            done = step + 1
+            record: dict = {}
+            if done % train.log_every == 0 or done == train.max_steps:
+                record["train/loss"] = self.mean_over_ranks(loss)
+                record["opt/lr"] = lr
+                elapsed = time.perf_counter() - window_t0
+                record["perf/tokens_per_s"] = tokens_per_step * window_steps / elapsed
+                record["perf/step_s"] = elapsed / window_steps
+                window_t0, window_steps = time.perf_counter(), 0
+            if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
+                val_loss = self.validate()
+                record["val/loss"] = val_loss
+                if self.data.bayes_floor is not None:
+                    record["val/bayes_floor"] = self.data.bayes_floor
+                progress.last_val = f" | val {val_loss:.4f}" + (
+                    f" (floor {self.data.bayes_floor:.4f})" if self.data.bayes_floor is not None else "")
+            stop = self.should_stop is not None and self.comm.agree(self.should_stop())
+            comm_metrics = self.comm.meter.end_step()
+            if record:
+                writer.log(done, {**record, **comm_metrics})
+                if "train/loss" in record:
+                    progress.report(step, record["train/loss"], comm_metrics["comm/payload_bytes"] / 1e6,
+                                    comm_metrics["comm/cum_payload_MB"], record["perf/tokens_per_s"])
+            if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps or stop:
+                self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
+            if stop:
+                preempted = True
+                break
+        final_step = step + 1 if train.max_steps > start else start
+        summary = self._summary(final_step, val_loss, compute_s, start)
+        if self.is_main and not preempted:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        writer.close()
+        return TrainResult(self.run_dir, final_step, preempted, summary)
+
+    def _summary(self, final_step: int, val_loss: float | None, compute_s: float, start: int) -> dict:
+        meter, train = self.comm.meter, self.run.train
+        steps = max(meter.steps_closed, 1)
+        ran = max(final_step - start, 1)
+        return {
+            "run_name": self.run.run_name,
+            "experiment": self.run.experiment,
+            "model": self.run.model.name,
+            "optimizer": self.run.optimizer_name,
+            "compression": self.run.compression.get("name", "none"),
+            "world_size": self.comm.world_size,
+            "parameters": self.n_params,
+            "steps": final_step,
+            "tokens": final_step * train.global_batch_size * train.seq_len,
+            "final_val_loss": val_loss,
+            "bayes_floor": self.data.bayes_floor,
+            "payload_MB_per_step": meter.cumulative_bytes("payload") / 1e6 / steps,
+            "tx_MB_per_step": meter.cumulative_bytes("tx") / 1e6 / steps,
+            "cum_payload_MB": meter.cumulative_bytes("payload") / 1e6,
+            "tokens_per_s": train.global_batch_size * train.seq_len * ran / max(compute_s, 1e-9),
+        }
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None) -> TrainResult:
+    trainer = Trainer(run, env, should_stop)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,96 @@
+"""Metrics: ``metrics.jsonl`` always (one JSON object per logged step or evaluation), wandb
+optionally, and a one-line console report. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+
+
+def truncate_after(path: Path, step: int) -> int:
+    """Drop records logged after ``step`` (a resumed run re-logs them); return how many."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, *, enabled: bool, wandb_cfg, run_name: str, config: dict,
+                 resume_step: int | None):
+        self.enabled = enabled
+        self.path = run_dir / METRICS
+        self._wandb = None
+        if not enabled:
+            return
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a")
+        if wandb_cfg.mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                project=wandb_cfg.project, entity=wandb_cfg.entity, name=run_name, id=run_name,
+                resume="allow", mode=wandb_cfg.mode, dir=str(run_dir), config=config,
+            )
+            self._wandb.define_metric("comm/cum_payload_MB")
+            for prefix in ("train", "val"):
+                self._wandb.define_metric(f"{prefix}/*", step_metric="comm/cum_payload_MB")
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+class Progress:
+    """``step 120/300 | loss 2.431 | val 2.412 (floor 2.072) | 0.81 MB/step, 97.3 MB | 41.2k tok/s | ETA 0:00:32``"""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, stream=sys.stdout):
+        self.total = total_steps
+        self.enabled = enabled
+        self.stream = stream
+        self._t0 = time.perf_counter()
+        self._s0 = start_step
+        self.last_val: str = ""
+
+    def report(self, step: int, loss: float, step_mb: float, cum_mb: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1 - self._s0
+        elapsed = time.perf_counter() - self._t0
+        eta = elapsed / max(done, 1) * (self.total - step - 1)
+        line = (
+            f"step {step + 1:>{len(str(self.total))}}/{self.total} | loss {loss:.4f}{self.last_val} | "
+            f"{step_mb:.3f} MB/step, {cum_mb:,.1f} MB sent | {tokens_per_s / 1e3:.1f}k tok/s | "
+            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+        )
+        print(line, file=self.stream, flush=True)
