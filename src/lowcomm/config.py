@@ -284,7 +284,6 @@ def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterS
 
 def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, errors: list[str]):
     from lowcomm.data.memmap import DTYPES, DataError, check_token_file, expand_paths
-    from lowcomm.data.synthetic import SyntheticSpec
 
     _one_of(data.name, ("synthetic", "memmap", "text"), "data.name", errors)
     if data.name == "synthetic":

@@ -22,7 +22,7 @@ class ModelSpec:
     max_sequence_length: int = 128
     tokenizer: str = "bytes"
     vocab_size: int = 257
-    embedding_size: int = 320
+    embedding_size: int = 384
     eos_token_id: int = 256
     pad_token_id: int = 256
     weight_tying: bool = True

@@ -62,7 +62,7 @@ class Strategy:
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         raise NotImplementedError
 
-    def no_sync(self, model: torch.nn.Module):
+    def no_sync(self, model: torch.nn.Module):  # noqa: ARG002 - the DDP strategies use it
         return contextlib.nullcontext()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

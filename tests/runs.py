@@ -1,0 +1,29 @@
+"""Helpers for tests that launch real tiny runs (imported by test modules, not a test itself)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowcomm.config import validate
+from lowcomm.train.cli import compose
+
+# Small enough for 2 cores: a handful of steps of the tiny model on a small synthetic corpus.
+TINY = [
+    "wandb.mode=disabled",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "train.eval_instances=16",
+    "train.log_every=1",
+]
+SMALL_SYNTHETIC = ["data.train_tokens=65536", "data.val_tokens=4096"]
+
+
+def tiny_run(run_root: Path, *overrides: str, workers: int = 2, max_steps: int = 6):
+    """A validated RunConfig of the tiny model on ``workers`` local processes."""
+    synthetic = not any(o.startswith("data=") and o != "data=synthetic" for o in overrides)
+    cfg = compose([*TINY, *(SMALL_SYNTHETIC if synthetic else []), f"run_root={run_root}", f"cluster.workers={workers}", f"train.max_steps={max_steps}",
+                   *overrides])
+    return validate(cfg)

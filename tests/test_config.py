@@ -1,0 +1,81 @@
+"""Bad input is refused before anything is spawned, with a message naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lowcomm.config import ConfigError
+from runs import tiny_run
+
+
+def _error(tmp_path, *overrides, workers=2) -> str:
+    with pytest.raises(ConfigError) as info:
+        tiny_run(tmp_path, *overrides, workers=workers)
+    return str(info.value)
+
+
+def test_unknown_group_option_names_the_group_and_the_choices(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "lowcomm.train.cli", "optimizer=adamw_nope", f"run_root={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "optimizer/adamw_nope" in result.stderr and "adamw_ddp" in result.stderr
+    assert not (tmp_path / "default").exists()  # nothing was launched
+
+
+def test_global_batch_not_divisible_by_world_times_micro_batch(tmp_path):
+    message = _error(tmp_path, "train.global_batch_size=10", "train.micro_batch_size=2", workers=4)
+    assert "train.global_batch_size=10 is not divisible by world size x micro-batch = 4 x 2 = 8" in message
+
+
+def test_sequence_length_above_the_models_maximum(tmp_path):
+    message = _error(tmp_path, "train.seq_len=512")
+    assert "train.seq_len=512 is above the model's maximum (model.max_sequence_length=256)" in message
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-3"])
+def test_learning_rate_must_be_positive(tmp_path, lr):
+    assert "optimizer.lr must be > 0" in _error(tmp_path, f"optimizer.lr={lr}")
+
+
+def test_missing_and_empty_data_paths(tmp_path):
+    assert "data.paths is empty" in _error(tmp_path, "data=memmap", f"data.val_paths=[{tmp_path}/v.bin]")
+    message = _error(tmp_path, "data=memmap", f"data.paths=[{tmp_path}/nothing_*.bin]", "data.val_paths=[]")
+    assert f"data.paths: no file matches '{tmp_path}/nothing_*.bin'" in message
+    assert "data.val_paths is empty" in message
+
+
+def test_memmap_dtype_that_does_not_match_the_file_size(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(99, dtype=np.uint16).tofile(path)  # 198 bytes: not a whole number of uint32
+    message = _error(tmp_path, "data=memmap", f"data.paths=[{path}]", f"data.val_paths=[{path}]",
+                     "data.dtype=uint32")
+    assert f"data.paths.dtype=uint32 does not match {path}" in message and "198 bytes" in message
+
+
+def test_warmup_longer_than_the_run(tmp_path):
+    assert "train.warmup_steps=50 must be in [0, train.max_steps=6]" in _error(tmp_path, "train.warmup_steps=50")
+
+
+def test_unknown_key_and_bad_choice_are_named(tmp_path):
+    assert "train: Key 'max_stepz' not in 'TrainSpec'" in _error(tmp_path, "+train.max_stepz=3")
+    assert "wandb.mode='sometimes' is not allowed; choose one of: offline, online, disabled" in _error(
+        tmp_path, "wandb.mode=sometimes")
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    message = _error(tmp_path, "optimizer.lr=0", "train.warmup_steps=50")
+    assert "optimizer.lr" in message and "train.warmup_steps" in message
+
+
+def test_run_names_are_deterministic_and_ignore_logistics(tmp_path):
+    a = tiny_run(tmp_path, "train.log_every=3")
+    b = tiny_run(tmp_path / "elsewhere", "train.log_every=5", "wandb.mode=offline")
+    c = tiny_run(tmp_path, "optimizer.lr=1e-3")
+    assert a.run_name == b.run_name
+    assert a.run_name != c.run_name and a.run_name.startswith("tiny-adamw_ddp-w2-")
