@@ -145,7 +145,7 @@ def world_size_of(cluster: ClusterSpec) -> int:
 
 
 # Keys that do not change what is trained, so they do not change the run name.
-_NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment")
+_NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances")
 
 
@@ -181,9 +181,6 @@ def _one_of(value: Any, allowed: tuple, key: str, errors: list[str]) -> None:
 
 def validate(cfg: DictConfig | dict) -> RunConfig:
     """Check a composed config completely; raise ConfigError with every problem found."""
-    from lowcomm.compress.registry import CODECS
-    from lowcomm.strategies import STRATEGIES
-
     if isinstance(cfg, DictConfig):
         raw = OmegaConf.to_container(cfg, resolve=True)
     else:
@@ -201,24 +198,7 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
     cluster = _typed(ClusterSpec, raw["cluster"], "cluster", errors)
     wandb = _typed(WandbSpec, raw.get("wandb") or {}, "wandb", errors)
 
-    opt_fields = dict(raw["optimizer"])
-    opt_name = opt_fields.pop("name", None)
-    optimizer = None
-    if opt_name not in STRATEGIES:
-        _one_of(opt_name, tuple(sorted(STRATEGIES)), "optimizer.name", errors)
-    else:
-        strategy = STRATEGIES[opt_name]
-        optimizer = _typed(strategy.Config, opt_fields, "optimizer", errors)
-        if optimizer is not None:
-            errors += optimizer.validate()
-        compression_name = raw["compression"].get("name", "none")
-        if compression_name not in ("none", *CODECS):
-            _one_of(compression_name, ("none", *sorted(CODECS)), "compression.name", errors)
-        elif compression_name not in strategy.accepts_compression:
-            errors.append(
-                f"compression={compression_name} cannot be used with optimizer={opt_name}; "
-                f"it accepts: {', '.join(strategy.accepts_compression)}"
-            )
+    opt_name, optimizer = _validate_optimizer(raw, errors)
 
     if model is not None:
         errors += model.validate()
@@ -247,6 +227,51 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         data=data, train=train, cluster=cluster, wandb=wandb, experiment=experiment,
         run_root=str(raw.get("run_root") or "runs"), run_name=run_name, seed=int(raw.get("seed", 0)), raw=raw,
     )
+
+
+def _validate_optimizer(raw: dict[str, Any], errors: list[str]):
+    """The optimizer and compression groups: (strategy name, typed optimizer config or None)."""
+    from lowcomm.compress import CODECS, build_codec
+    from lowcomm.strategies import STRATEGIES
+
+    opt_fields = dict(raw["optimizer"])
+    opt_name = opt_fields.pop("name", None)
+    optimizer = None
+    if opt_name not in STRATEGIES:
+        _one_of(opt_name, tuple(sorted(STRATEGIES)), "optimizer.name", errors)
+    else:
+        strategy = STRATEGIES[opt_name]
+        optimizer = _typed(strategy.Config, opt_fields, "optimizer", errors)
+        if optimizer is not None:
+            errors += optimizer.validate()
+        compression_name = raw["compression"].get("name", "none")
+        if compression_name not in ("none", *CODECS):
+            _one_of(compression_name, ("none", *sorted(CODECS)), "compression.name", errors)
+        elif compression_name not in strategy.accepts_compression:
+            errors.append(
+                f"compression={compression_name} cannot be used with optimizer={opt_name}; "
+                f"it accepts: {', '.join(strategy.accepts_compression)}"
+            )
+        else:
+            try:  # a codec checks its own fields (bits, fraction, wire...) when built
+                build_codec(raw["compression"])
+            except (TypeError, ValueError) as exc:
+                errors.append(f"compression: {exc}")
+            if optimizer is not None:
+                errors += strategy.check_compression(optimizer, raw["compression"])
+    return opt_name, optimizer
+
+
+def validate_optimizer(raw: dict[str, Any]):
+    """Just the optimizer and compression groups (for tools that need no data or cluster, such
+    as the comm table); raises ConfigError."""
+    errors: list[str] = []
+    opt_name, optimizer = _validate_optimizer(raw, errors)
+    if errors:
+        raise ConfigError(errors)
+    from lowcomm.strategies import STRATEGIES
+
+    return STRATEGIES[opt_name], optimizer
 
 
 def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterSpec | None, errors: list[str]):

@@ -1,5 +1,12 @@
-"""Codecs: encode(tensor) -> Payload, decode(payloads) -> tensor. Imports nothing else of lowcomm."""
+"""Codecs: encode(tensor) -> Payload, decode(payloads) -> tensor. Imports nothing else of lowcomm.
 
+Importing the package registers every codec under its ``compression`` config name."""
+
+from lowcomm.compress import dct_topk, quantize, topk  # noqa: F401  (register the codecs)
 from lowcomm.compress.base import Codec, Payload
+from lowcomm.compress.error_feedback import ErrorFeedback
+from lowcomm.compress.quantize import Quantize
+from lowcomm.compress.registry import CODECS, build_codec
+from lowcomm.compress.topk import TopK
 
-__all__ = ["Codec", "Payload"]
+__all__ = ["CODECS", "Codec", "ErrorFeedback", "Payload", "Quantize", "TopK", "build_codec"]

@@ -59,6 +59,11 @@ class Strategy:
         self.compression = compression
         self.comm = comm
 
+    @classmethod
+    def check_compression(cls, cfg: OptimizerConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
+        """Errors in how this optimizer's fields combine with the compression config."""
+        return []
+
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         raise NotImplementedError
 
@@ -82,6 +87,15 @@ class Strategy:
 
     def extra_state(self) -> dict[str, Any]:
         return {}
+
+    def analytic_payload_bytes(self, model: torch.nn.Module) -> float:
+        """Payload bytes per step and worker (amortised over sync periods), from shapes alone
+        (``model`` may be on the meta device). Used by ``lowcomm-comm-table``."""
+        raise NotImplementedError(f"strategy {self.name!r} has no analytic byte count")
+
+    def wire_collective(self) -> str:
+        """The collective that carries the payload (it sets tx/rx per worker for a given W)."""
+        return "all_reduce"
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if state:

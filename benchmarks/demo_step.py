@@ -1,0 +1,191 @@
+"""Time and peak memory of one DeMo step against one torch AdamW step on the same parameters.
+
+The parameters are OLMo-300M's block matrices (d_model 1024: att_proj 3072x1024, attn_out
+1024x1024, ff_proj 8192x1024, ff_out 1024x4096), ``--layers`` blocks of them (7 by default:
+117.4M parameters, all of them block matrices). The embedding (50304x1024, 51.5M) is left out
+unless ``--embedding``. Gradients are random and fixed; DeMo runs with W=1 (compute only: its
+all-gather is a local copy).
+
+Step times come from one process where every optimizer steps the same parameters in turn,
+``--steps`` rounds after one warm-up step each: a change in machine load hits all of them
+alike, and the ratio column is the median of the per-round ratios to AdamW. DeMo's phases come
+from one extra step under torch.profiler (``record_function`` ranges in ``DeMo.step``; the
+profiler adds a little overhead). Peak memory comes from a fresh process per optimizer: the peak
+resident set of two steps above the parameters and gradients, state included (Linux VmHWM,
+reset through /proc/self/clear_refs; on CUDA, torch's peak allocation).
+
+    python benchmarks/demo_step.py            # CPU, 2 threads, about a minute
+    python benchmarks/demo_step.py --device cuda --threads 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+from pathlib import Path
+
+D_MODEL = 1024
+BLOCK_SHAPES = {
+    "att_proj": (3 * D_MODEL, D_MODEL),
+    "attn_out": (D_MODEL, D_MODEL),
+    "ff_proj": (8 * D_MODEL, D_MODEL),
+    "ff_out": (D_MODEL, 4 * D_MODEL),
+}
+EMBEDDING_SHAPE = (50304, D_MODEL)
+PHASES = ("transform", "topk", "communicate", "decode", "update")
+
+OPTIMIZERS = {
+    "adamw": "AdamW (default: for-loop)",
+    "adamw_foreach": "AdamW (foreach=True)",
+    "adamw_fused": "AdamW (fused=True)",
+    "demo": "DeMo (dct, sign, paper wire)",
+    "demo_param_domain": "DeMo, parameter-domain momentum",
+}
+DEFAULT_OPTIMIZERS = ["adamw", "adamw_fused", "demo", "demo_param_domain"]
+
+
+def shapes(layers: int, embedding: bool) -> list[tuple[int, int]]:
+    return ([EMBEDDING_SHAPE] if embedding else []) + [
+        s for _ in range(layers) for s in BLOCK_SHAPES.values()
+    ]
+
+
+def _setup(layers: int, embedding: bool, threads: int, device: str):
+    import torch
+
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes(layers, embedding):
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator).to(device))
+        param.grad = torch.randn(shape, generator=generator).to(device) * 1e-2
+        params.append(param)
+    return params
+
+
+def _optimizer(name: str, params):
+    import torch
+
+    from lowcomm.optim import DeMo
+
+    if name.startswith("adamw"):
+        flags = {"adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}.get(name, {})
+        return torch.optim.AdamW(params, lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95), **flags)
+    optimizer = DeMo(params, lr=4e-4)
+    # internal switch, kept for tests and this comparison: three dense transforms per step
+    optimizer._momentum_in_coefficients = name == "demo"
+    return optimizer
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_memory(name: str, layers: int, embedding: bool, threads: int, device: str) -> float:
+    """In a fresh process: the peak memory (MB) of two steps of ``name`` above the parameters
+    and gradients, optimizer state included."""
+    import torch
+
+    params = _setup(layers, embedding, threads, device)
+    optimizer = _optimizer(name, params)
+    _sync(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        base = _status_kb("VmRSS") * 1024
+    for _ in range(2):
+        optimizer.step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else _status_kb("VmHWM") * 1024
+    return (peak - base) / 1e6
+
+
+def step_times(names: list[str], layers: int, embedding: bool, steps: int, threads: int, device: str) -> dict:
+    """In one process, on shared parameters and gradients: one warm-up step each, then
+    ``steps`` rounds that time one step of every optimizer in turn (so a change in machine
+    load hits all of them alike); then one profiled DeMo step for the phase split."""
+    import torch
+
+    params = _setup(layers, embedding, threads, device)
+    optimizers = {name: _optimizer(name, params) for name in names}
+    for optimizer in optimizers.values():
+        optimizer.step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(steps):
+        for name, optimizer in optimizers.items():
+            _sync(device)
+            start = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    phases = {}
+    for name in names:
+        if name.startswith("demo"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                optimizers[name].step()
+                _sync(device)
+            totals = {event.key: event.cpu_time_total / 1e3 for event in profile.key_averages()}
+            phases[name] = {phase: totals.get(f"DeMo.{phase}", 0.0) for phase in PHASES}
+    return {"times": times, "phases": phases, "numel": sum(p.numel() for p in params)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=7, help="OLMo-300M blocks (7: 117.4M parameters)")
+    parser.add_argument("--embedding", action="store_true", help="add the 50304x1024 embedding")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds (medians reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each process")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--optimizers", nargs="+", default=DEFAULT_OPTIMIZERS, choices=list(OPTIMIZERS))
+    args = parser.parse_args()
+    geometry = (args.layers, args.embedding)
+
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        timing = pool.apply(step_times, (args.optimizers, *geometry, args.steps, args.threads, args.device))
+    memory = {}
+    for name in args.optimizers:
+        with context.Pool(1) as pool:
+            memory[name] = pool.apply(peak_memory, (name, *geometry, args.threads, args.device))
+
+    times = timing["times"]
+    reference = times.get("adamw")
+    what = "with" if args.embedding else "without"
+    print(
+        f"\nOne optimizer step on {timing['numel'] / 1e6:.1f}M fp32 parameters: {args.layers} OLMo-300M blocks "
+        f"{what} the embedding; {args.device}, {args.threads} threads; medians of {args.steps} interleaved "
+        "rounds. DeMo: W=1 (compute only), chunk 64, top-32.\n"
+    )
+    header = f"{'optimizer':<34} {'step ms':>9} {'x AdamW':>8} {'peak extra MB':>14}"
+    print(header)
+    print("-" * len(header))
+    for name in args.optimizers:
+        ratio = "-"
+        if reference:  # median over rounds of the per-round ratio
+            ratio = f"{statistics.median(t / r for t, r in zip(times[name], reference, strict=True)):.2f}"
+        step_ms = statistics.median(times[name]) * 1e3
+        print(f"{OPTIMIZERS[name]:<34} {step_ms:>9.1f} {ratio:>8} {memory[name]:>14.0f}")
+    for name, phases in timing["phases"].items():
+        total = sum(phases.values())
+        print(f"\n{OPTIMIZERS[name]}: phases of one profiled step")
+        for phase, ms in phases.items():
+            print(f"  {phase:<12} {ms:>8.1f} ms  {ms / total:6.1%}")
+        print(f"  {'total':<12} {total:>8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Tokens/s of lowcomm's training loop against a bare PyTorch DDP loop doing the same work.
+
+Same model (tiny OLMo by default), same global batch, micro-batches and sequence length, same
+workers (gloo on CPU), same data files, same AdamW, clipping and LR schedule. Both loops run
+in the same worker processes, alternating, and the best of ``--repeats`` windows of each is
+compared, so the ratio is measured in one run:
+
+    python benchmarks/throughput.py [--workers 4] [--steps 40] [--repeats 3] [overrides...]
+
+lowcomm's number comes from its own ``perf/tokens_per_s`` metric over the timed window (the
+loop with metering, schedule and logging); the bare loop is timed around the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _bare_loop(run, data, steps: int) -> float:
+    """Plain DDP + AdamW over the same batches; returns tokens/s."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lowcomm.data import BatchOrder
+    from lowcomm.models import build_model
+
+    train = run.train
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = DistributedDataParallel(build_model(run.model, "cpu", seed=run.seed))
+    cfg = run.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    order = BatchOrder(len(data.train), train.global_batch_size, rank, world, train.micro_batch_size, run.seed)
+
+    def lr_at(step):
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = min((step - train.warmup_steps) / max(train.max_steps - train.warmup_steps, 1), 1.0)
+        return train.alpha_f + (1 - train.alpha_f) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def one_step(step):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_at(step)
+        micro = order.indices_for_step(step)
+        for i, indices in enumerate(micro):
+            tokens = data.train.batch(indices)
+            ctx = model.no_sync() if i < len(micro) - 1 else torch.enable_grad()
+            with ctx:
+                logits = model(tokens[:, :-1]).logits
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
+                (loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for step in range(3):  # warm-up: bucket rebuild, allocator
+        one_step(step)
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    for step in range(3, 3 + steps):
+        one_step(step)
+    torch.distributed.barrier()
+    return train.global_batch_size * train.seq_len * steps / (time.perf_counter() - t0)
+
+
+def _lowcomm_loop(run) -> float:
+    from lowcomm.launch.env import DistEnv
+    from lowcomm.train.loop import Trainer
+    from lowcomm.train.metrics import read_metrics
+
+    env = DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), 0, 1)
+    trainer = Trainer(run, env)
+    trainer.fit()
+    if trainer.comm.rank != 0:
+        return float("nan")
+    records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "perf/tokens_per_s" in r]
+    return records[-1]["perf/tokens_per_s"]  # the second, warm window
+
+
+def _worker(rank, world, overrides, steps, repeats, root):
+    import shutil
+
+    from lowcomm.config import validate
+    from lowcomm.data import open_data
+    from lowcomm.train.cli import compose
+
+    torch.set_num_threads(1)
+    run = validate(compose([f"cluster.workers={world}", "wandb.mode=disabled", f"run_root={root}",
+                            "train.eval_every=0", "train.checkpoint_every=0", "train.eval_instances=8",
+                            f"train.max_steps={2 * steps}", "train.warmup_steps=3", f"train.log_every={steps}",
+                            *overrides]))
+    # lowcomm logs a window every `steps` steps: the second one (steps+1 .. 2*steps) is warm
+    data = open_data(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+    bare, ours = [], []
+    for _ in range(repeats):
+        bare.append(_bare_loop(run, data, steps))
+        if rank == 0:
+            shutil.rmtree(run.run_dir, ignore_errors=True)
+        torch.distributed.barrier()
+        ours.append(_lowcomm_loop(run))
+        torch.distributed.barrier()
+    return {"bare": bare, "lowcomm": ours, "run": run.run_name, "tokens_per_step":
+            run.train.global_batch_size * run.train.seq_len}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (default: the quickstart's tiny model)")
+    args = parser.parse_args(argv)
+
+    from lowcomm.config import validate
+    from lowcomm.data import materialize
+    from lowcomm.launch.spawn import spawn_workers
+    from lowcomm.train.cli import compose
+
+    with tempfile.TemporaryDirectory() as root:
+        run = validate(compose([f"run_root={root}", f"cluster.workers={args.workers}", *args.overrides]))
+        materialize(run.data, run.train.seq_len, root, run.model.tokenizer)
+        results = spawn_workers(_worker, args.workers, args.overrides, args.steps, args.repeats, root,
+                                timeout_s=3600)
+    out = results[0]
+    bare, ours = max(out["bare"]), max(out["lowcomm"])
+    print(f"throughput, {args.workers} gloo workers, {out['tokens_per_step']} tokens/step, "
+          f"{args.steps} timed steps, best of {args.repeats}:")
+    print(f"  {'loop':<22}{'tokens/s':>12}   all repeats")
+    print(f"  {'bare PyTorch DDP':<22}{bare:>12,.0f}   {', '.join(f'{x:,.0f}' for x in out['bare'])}")
+    print(f"  {'lowcomm':<22}{ours:>12,.0f}   {', '.join(f'{x:,.0f}' for x in out['lowcomm'])}")
+    print(f"  ratio lowcomm / bare: {ours / bare:.3f}  (target >= 0.95)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Block orthonormal transforms: DeMo's chunked DCT-II, a random orthonormal alternative, and
+the chunk rule that cuts a parameter into blocks.
+
+Every tensor is seen as a matrix ``rows x cols``: a 2-D parameter as it is, a 1-D one as a
+single row (``1 x n``; its blocks are 1-D chunks), and one with more dimensions as its first
+dimension by the product of the rest (a conv kernel ``(out, in, kh, kw)`` becomes
+``out x (in*kh*kw)``). The matrix is cut into blocks of ``chunk_rows x chunk_cols`` and each
+block B is transformed separately, ``B -> L B R^T``, with orthonormal bases L and R.
+
+Coefficients are kept in **block-in-place layout**: coefficient ``(k, l)`` of block ``(a, b)``
+sits at ``[a*chunk_rows + k, b*chunk_cols + l]``, where the block itself sat. In that layout a
+transform is two large matrix products and no permutation (``x.view(-1, chunk_cols) @ R^T``,
+then ``L`` applied to every ``chunk_rows``-row slab at once), and with identity bases the
+coefficients *are* the tensor. Only top-k selection needs each block contiguous; it gathers
+the blocks once (:meth:`BlockLayout.blocked`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_size(size: int, target: int) -> int:
+    """DeMo's chunk for one dimension of ``size`` entries: ``target`` if it divides ``size``,
+    else the largest divisor of ``size`` below ``target``; ``size`` itself when it is at most
+    ``target``. A prime ``size > target`` gets 1 (that axis is not compressed)."""
+    if size < 1 or target < 1:
+        raise ValueError(f"chunk_size needs positive size and target, got {size} and {target}")
+    if size <= target:
+        return size
+    return next(c for c in range(target, 0, -1) if size % c == 0)
+
+
+def matrix_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+    """The ``rows x cols`` matrix a tensor of ``shape`` is transformed as (see the module doc)."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a tensor of ``shape`` is cut into ``chunk_rows x chunk_cols`` blocks."""
+
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    chunk_rows: int
+    chunk_cols: int
+
+    @classmethod
+    def for_shape(cls, shape: tuple[int, ...] | torch.Size, target_chunk: int) -> BlockLayout:
+        """Apply :func:`chunk_size` to both matrix dimensions; warn when a dimension longer
+        than ``target_chunk`` degenerates to chunk 1."""
+        rows, cols = matrix_shape(tuple(shape))
+        chunks = []
+        for size in (rows, cols):
+            chunk = chunk_size(size, target_chunk)
+            if chunk == 1 and size > 1:
+                warnings.warn(
+                    f"a dimension of size {size} (tensor shape {tuple(shape)}) has no divisor in "
+                    f"[2, {target_chunk}], so its DCT chunk is 1: blocks are 1 wide along it and "
+                    "top-k compresses that axis not at all",
+                    stacklevel=3,
+                )
+            chunks.append(chunk)
+        return cls(tuple(shape), rows, cols, chunks[0], chunks[1])
+
+    @property
+    def blocks_rows(self) -> int:
+        return self.rows // self.chunk_rows
+
+    @property
+    def blocks_cols(self) -> int:
+        return self.cols // self.chunk_cols
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks_rows * self.blocks_cols
+
+    @property
+    def block_numel(self) -> int:
+        return self.chunk_rows * self.chunk_cols
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def blocked(self, matrix: torch.Tensor) -> torch.Tensor:
+        """A ``(blocks_rows, blocks_cols, chunk_rows, chunk_cols)`` view of a ``rows x cols``
+        tensor (not contiguous: copy it to make each block's entries adjacent)."""
+        return matrix.view(self.blocks_rows, self.chunk_rows, self.blocks_cols, self.chunk_cols).transpose(
+            1, 2
+        )
+
+    def global_index(self, block_index: torch.Tensor) -> torch.Tensor:
+        """Flat positions in the ``rows x cols`` tensor of the entries ``block_index[i, j]``
+        (row-major within block i; blocks numbered row-major)."""
+        device = block_index.device
+        # block origins and in-block offsets are small tables; the large index tensor meets
+        # one gather and one add (no integer division on it)
+        origin_rows = torch.arange(self.blocks_rows, device=device) * (self.chunk_rows * self.cols)
+        origin_cols = torch.arange(self.blocks_cols, device=device) * self.chunk_cols
+        origin = (origin_rows.unsqueeze(1) + origin_cols).view(-1, 1)
+        within = torch.arange(self.block_numel, device=device)
+        offset = (within // self.chunk_cols) * self.cols + within % self.chunk_cols
+        return origin + offset[block_index]
+
+
+@functools.lru_cache(maxsize=64)
+def dct_basis(
+    size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The orthonormal DCT-II matrix C (``size x size``): ``(C x)_k`` is the k-th coefficient
+    of x, ``C[k, i] = s_k cos(pi (2i + 1) k / (2 size))`` with ``s_0 = sqrt(1/size)`` and
+    ``s_k = sqrt(2/size)``; ``C C^T = I``. Built in float64, cached per (size, device, dtype);
+    treat the result as read-only."""
+    k = torch.arange(size, dtype=torch.float64).unsqueeze(1)
+    i = torch.arange(size, dtype=torch.float64).unsqueeze(0)
+    basis = torch.cos(math.pi * (2 * i + 1) * k / (2 * size)) * math.sqrt(2.0 / size)
+    basis[0] /= math.sqrt(2.0)
+    return basis.to(device=device, dtype=dtype)
+
+
+def random_orthonormal_basis(
+    size: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """An orthonormal ``size x size`` matrix drawn from the Haar distribution: a N(0, 1) matrix
+    orthonormalised by QR (Gram-Schmidt, done stably), with the signs of R's diagonal folded in
+    so the result does not depend on the QR routine's sign convention. Drawn on the CPU in
+    float64 from ``seed`` alone, so every worker that passes the same seed gets the same basis
+    whatever its device."""
+    generator = torch.Generator().manual_seed(seed)
+    gaussian = torch.randn(size, size, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    q *= torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return q.T.contiguous().to(device=device, dtype=dtype)
+
+
+def block_transform(
+    matrix: torch.Tensor,
+    layout: BlockLayout,
+    left: torch.Tensor | None,
+    right: torch.Tensor | None,
+    *,
+    inverse: bool = False,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    beta: float = 0.0,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """Transform every block of a ``rows x cols`` tensor: ``B -> left B right^T`` (forward) or
+    ``C -> left^T C right`` (``inverse``), in block-in-place layout.
+
+    ``left`` (``chunk_rows`` square) and ``right`` (``chunk_cols`` square) are orthonormal
+    bases; None stands for the identity (a 1-D tensor has ``left=None``). ``out`` receives
+    ``beta * out + alpha * T(matrix)`` as in BLAS (with ``beta=0`` its old contents are not
+    read), so an accumulation costs no extra pass; ``scratch`` holds the intermediate product.
+    Each has ``numel`` entries (any shape), is allocated when omitted, and must not overlap
+    ``matrix`` or the other.
+    """
+    matrix = matrix.reshape(layout.rows, layout.cols)
+    if out is None:
+        out = torch.empty_like(matrix)
+    out = out.view(layout.rows, layout.cols)
+    if left is None and right is None:
+        return out.mul_(beta).add_(matrix, alpha=alpha) if beta else torch.mul(matrix, alpha, out=out)
+    if right is not None:
+        # one (rows * blocks_cols, chunk_cols) x (chunk_cols, chunk_cols) product
+        rows_view = (-1, layout.chunk_cols)
+        basis = right if inverse else right.T
+        if left is None:
+            out.view(rows_view).addmm_(matrix.view(rows_view), basis, beta=beta, alpha=alpha)
+            return out
+        target = (scratch if scratch is not None else torch.empty_like(matrix)).view(rows_view)
+        matrix = torch.mm(matrix.view(rows_view), basis, out=target).view(layout.rows, layout.cols)
+    # chunk_rows x chunk_rows times each of the blocks_rows slabs of chunk_rows x cols
+    slabs = (layout.blocks_rows, layout.chunk_rows, layout.cols)
+    basis = (left.T if inverse else left).expand(layout.blocks_rows, -1, -1)
+    out.view(slabs).baddbmm_(basis, matrix.view(slabs), beta=beta, alpha=alpha)
+    return out

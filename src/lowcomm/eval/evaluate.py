@@ -1,0 +1,129 @@
+"""Evaluate one checkpoint on lowcomm's tasks with lm-eval, and store the result in its run.
+
+The result of checkpoint ``step_000000100`` goes to ``<run_dir>/eval/step_000000100.json``,
+written atomically (a reader sees the old file or the new one, never half of one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lm_eval
+import torch
+
+from lowcomm.eval.checkpoints import Checkpoint, load_model_spec, step_dir_name
+from lowcomm.eval.model import LowcommLM
+from lowcomm.eval.tasks import TaskSpec, task_manager
+
+EVAL_DIR = "eval"
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is the first GPU when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def result_path(checkpoint: Checkpoint) -> Path:
+    return checkpoint.run_dir / EVAL_DIR / f"{step_dir_name(checkpoint.step)}.json"
+
+
+def evaluate_checkpoint(
+    checkpoint: Checkpoint,
+    tasks: list[TaskSpec],
+    *,
+    limit: int | None = None,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    lm_eval_task_manager=None,
+) -> dict[str, Any]:
+    """Zero-shot lm-eval scores of ``checkpoint`` on ``tasks`` (the first ``limit`` documents of
+    each when given), as the dictionary stored in the run's ``eval/`` directory.
+
+    ``lm_eval_task_manager``: an ``lm_eval.tasks.TaskManager`` over lowcomm's tasks, to reuse its
+    task index across checkpoints; a new one is made when omitted.
+    """
+    started = time.perf_counter()
+    device = torch.device(device)
+    spec = load_model_spec(checkpoint.run_dir)
+    lm = LowcommLM.from_checkpoint(checkpoint, device=device, batch_size=batch_size, spec=spec)
+    loaded = time.perf_counter()
+    output = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[task.lm_eval_task for task in tasks],
+        num_fewshot=0,
+        limit=limit,
+        batch_size=batch_size,  # recorded in lm-eval's config; the model batches by itself
+        device=str(device),
+        task_manager=lm_eval_task_manager or task_manager(),
+        log_samples=False,
+    )
+    evaluated = time.perf_counter()
+    scores = {}
+    for task in tasks:
+        task_results = output["results"][task.lm_eval_task]
+        counts = output["n-samples"][task.lm_eval_task]
+        scores[task.name] = {
+            "metric": task.metric,
+            "value": task_results[f"{task.metric},none"],
+            "stderr": task_results[f"{task.metric}_stderr,none"],
+            **{
+                metric: task_results[f"{metric},none"]
+                for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr")
+            },
+            "lm_eval_task": task.lm_eval_task,
+            "split": task.split,
+            "official_split": task.official_split,
+            "documents_scored": counts["effective"],
+            "documents_in_split": counts["original"],
+        }
+    return {
+        "run_dir": str(checkpoint.run_dir),
+        "step": checkpoint.step,
+        "checkpoint": str(checkpoint.path),
+        "model": asdict(spec),
+        "tasks": scores,
+        "notes": [note for task in tasks if (note := task.split_note)],
+        "num_fewshot": 0,
+        "limit": limit,
+        "batch_size": batch_size,
+        "device": str(device),
+        "timing_s": {
+            "load_model": round(loaded - started, 3),
+            "evaluate": round(evaluated - loaded, 3),
+            "total": round(evaluated - started, 3),
+        },
+        "lm_eval": {
+            "version": lm_eval.__version__,
+            "results": output["results"],
+            "n_samples": output["n-samples"],
+            "versions": output["versions"],
+            "configs": output["configs"],
+            "config": output["config"],
+        },
+    }
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to a temporary file beside ``path``, flush it to disk, then rename it."""
+    from lm_eval.utils import handle_non_serializable
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(payload, handle, indent=2, default=handle_non_serializable)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,333 @@
+"""DeMo: Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870).
+
+Each worker keeps its own momentum of its own (local, never all-reduced) gradient and sends
+only the fast components of it. Per parameter p with gradient g, learning rate lr::
+
+    p     <- p (1 - lr wd)                                   # decoupled weight decay
+    delta <- beta delta + lr g                               # lr folded in, as the reference does
+    q      = top-k per block of P(delta)                     # P: block DCT-II (or see projection)
+    delta <- delta - alpha P^-1(q)                           # keep what was not sent
+    Q      = mean, over the workers that sent it, of each coefficient of q_1 .. q_W   # all-gather
+    p     <- p - lr T(P^-1(Q))                               # T: sign (default), identity, or Newton-Schulz
+
+Blocks follow DeMo's chunk rule per dimension (:mod:`lowcomm.compress.dct`); a parameter with
+more than two dimensions is treated as the matrix ``shape[0] x prod(shape[1:])`` and a 1-D one
+as a single row of 1-D chunks. The top-k, wire formats and mean-over-senders aggregation are
+:class:`~lowcomm.compress.dct_topk.DCTTopK`'s.
+
+With a fixed basis (``projection="dct"`` or ``"identity"``) the momentum is kept in the
+transformed domain: the transform is linear and orthonormal, so ``P(beta delta + lr g) =
+beta P(delta) + lr P(g)`` and the subtraction of the sent coefficients is sparse. A step then
+costs one forward transform (of g) and one inverse (of Q) instead of three dense transforms;
+the result equals the parameter-domain computation up to rounding. The random projection
+draws a new basis every step and works in the parameter domain.
+
+Every worker must call ``step()`` with gradients for the same parameters (one all-gather per
+payload tensor per parameter); parameters whose ``grad`` is None are skipped, as by every
+torch optimizer. The workers' parameters stay identical because every worker applies the same
+aggregate; the momentum differs per worker and is in ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from lowcomm.comm import Communicator
+from lowcomm.compress.base import Payload
+from lowcomm.compress.dct import BlockLayout, block_transform, random_orthonormal_basis
+from lowcomm.compress.dct_topk import DCTTopK
+
+PROJECTIONS = ("dct", "random", "identity")
+BASES = ("sign", "sgd", "muon")
+_NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+_Bases = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately orthogonalise ``matrix`` (push its singular values towards 1), Muon's
+    quintic Newton-Schulz iteration: X <- X / ||X||_F, then ``steps`` times
+    X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315)."""
+    a, b, c = _NEWTON_SCHULZ
+    x = matrix / (matrix.norm() + eps)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:  # iterate on the smaller Gram matrix
+        x = x.T
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def demo_payload_bytes(
+    shapes: Iterable[torch.Size | Sequence[int]],
+    chunk: int = 64,
+    topk: int = 32,
+    wire: str = "paper",
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Payload bytes one worker sends per DeMo step for parameters of these shapes (the paper's
+    "Tx MB/step" x 1e6): e.g. OLMo-1B, chunk 64, k 32, paper wire: 110,321,664."""
+    codec = DCTTopK(chunk=chunk, topk=topk, wire=wire)
+    return sum(codec.payload_nbytes(tuple(shape), dtype) for shape in shapes)
+
+
+@dataclass
+class _InFlight:
+    """A parameter whose payload is being all-gathered while the next one is encoded."""
+
+    param: torch.nn.Parameter
+    layout: BlockLayout
+    bases: _Bases
+    lr: float
+    meta: dict[str, Any]
+    gathered: dict[str, list[torch.Tensor]]
+    works: list[Any]
+
+
+class DeMo(torch.optim.Optimizer):
+    """DeMo as a ``torch.optim.Optimizer``: drop it into any loop, with or without
+    torch.distributed (a world of one needs no process group). Do not wrap the model in DDP:
+    each worker's local gradient is the input.
+
+    Args:
+        params: parameters or param groups (``lr``, ``weight_decay``, ``compression_decay``
+            and ``momentum_subtraction`` may differ per group).
+        lr: learning rate; also scales the gradient entering the momentum.
+        compression_decay: momentum decay beta, in [0, 1).
+        compression_topk: coefficients kept per block (clamped to the block's size).
+        compression_chunk: target block side (DeMo's chunk rule per dimension).
+        weight_decay: decoupled weight decay (multiplied by lr).
+        momentum_subtraction: alpha, the fraction of the sent components removed from the
+            momentum (the paper ablates [0, 1]; the reference uses 1).
+        projection: ``dct`` (block DCT-II), ``random`` (a random orthonormal block basis,
+            drawn from the step number so all workers share it, new every step) or
+            ``identity`` (top-k of the raw momentum, per block).
+        base: the transform of the aggregate before the update: ``sign`` (signum, the
+            paper's), ``sgd`` (none) or ``muon`` (Newton-Schulz orthogonalisation of the
+            parameter's matrix).
+        wire: the payload format: ``paper``, ``compact`` or ``sign`` (see
+            :mod:`lowcomm.compress.dct_topk`). With a rounding format the momentum loses
+            what receivers decode, so rounding errors stay in it.
+        comm: the Communicator to send through (its meter counts every byte).
+        process_group: used to build a Communicator when ``comm`` is None.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        compression_decay: float = 0.999,
+        compression_topk: int = 32,
+        compression_chunk: int = 64,
+        weight_decay: float = 0.0,
+        momentum_subtraction: float = 1.0,
+        projection: str = "dct",
+        base: str = "sign",
+        wire: str = "paper",
+        comm: Communicator | None = None,
+        process_group=None,
+    ):
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0 <= compression_decay < 1:
+            raise ValueError(f"compression_decay must be in [0, 1), got {compression_decay}")
+        if compression_topk < 1 or compression_chunk < 1:
+            raise ValueError(
+                f"compression_topk and compression_chunk must be >= 1, got {compression_topk}, "
+                f"{compression_chunk}"
+            )
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not 0 <= momentum_subtraction <= 1:
+            raise ValueError(f"momentum_subtraction must be in [0, 1], got {momentum_subtraction}")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {', '.join(PROJECTIONS)}, got {projection!r}")
+        if base not in BASES:
+            raise ValueError(f"base must be one of {', '.join(BASES)}, got {base!r}")
+        if comm is not None and process_group is not None:
+            raise ValueError("pass comm or process_group, not both")
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "compression_decay": compression_decay,
+            "momentum_subtraction": momentum_subtraction,
+        }
+        super().__init__(params, defaults)
+        self.codec = DCTTopK(chunk=compression_chunk, topk=compression_topk, wire=wire)
+        self.projection = projection
+        self.base = base
+        self.comm = comm if comm is not None else Communicator(process_group)
+        # A fixed basis lets the momentum live in the coefficient domain (see the module doc);
+        # the parameter-domain path stays for the random basis (and for tests to compare).
+        self._momentum_in_coefficients = projection != "random"
+        # Three flat buffers per (device, dtype), as large as the largest parameter, reused by
+        # every parameter and step: fresh multi-MB temporaries cost a page fault per page on CPU.
+        self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._random_bases: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._random_bases.clear()
+        # One parameter in flight: its all-gather overlaps the next parameter's encoding, and
+        # at most two parameters' gathered payloads are held at once.
+        in_flight: _InFlight | None = None
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                sent = self._send(param, group)
+                if in_flight is not None:
+                    self._apply(in_flight)
+                in_flight = sent
+        if in_flight is not None:
+            self._apply(in_flight)
+        return loss
+
+    def _send(self, param: torch.nn.Parameter, group: dict[str, Any]) -> _InFlight:
+        """Weight decay, momentum, top-k, subtraction of what is sent; start the all-gather."""
+        lr, alpha = group["lr"], group["momentum_subtraction"]
+        layout = self.codec.layout(param.shape)
+        state = self.state[param]
+        state["step"] = state.get("step", 0) + 1
+        momentum = self._momentum(state, layout, param).view(layout.rows, layout.cols)
+        bases = self._bases(layout, state["step"], param)
+        work, scratch, spare = self._work_buffers(param)
+
+        with record_function("DeMo.transform"):
+            if group["weight_decay"]:
+                param.mul_(1 - lr * group["weight_decay"])
+            grad = param.grad.reshape(layout.rows, layout.cols)
+            decay = group["compression_decay"]
+            if self._momentum_in_coefficients:
+                # momentum <- decay * momentum + lr * P(grad), accumulated by the transform itself
+                self._transform(grad, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
+                coefficients = momentum
+            else:
+                momentum.mul_(decay).add_(grad, alpha=lr)
+                coefficients = self._transform(momentum, layout, bases, out=work, scratch=scratch)
+
+        with record_function("DeMo.topk"):
+            index, positions, values = self.codec.select(coefficients, layout, scratch=scratch)
+            payload = self.codec.pack(index, values, layout)
+            if alpha:
+                _, sent = self.codec.unpack(payload)  # what the receivers will decode
+                if self._momentum_in_coefficients:  # a sparse update of the coefficients
+                    momentum.view(-1).index_add_(0, positions.view(-1), sent.reshape(-1), alpha=-alpha)
+                else:
+                    sparse = scratch.zero_().index_put_((positions.view(-1),), sent.reshape(-1))
+                    own = self._transform(sparse, layout, bases, inverse=True, out=spare, scratch=work)
+                    momentum.sub_(own.view(layout.rows, layout.cols), alpha=alpha)
+
+        with record_function("DeMo.communicate"):
+            gathered, works = {}, []
+            for name, tensor in payload.tensors.items():
+                gathered[name], handle = self.comm.all_gather(tensor, async_op=True)
+                works.append(handle)
+        return _InFlight(param, layout, bases, lr, payload.meta, gathered, works)
+
+    def _apply(self, flight: _InFlight) -> None:
+        """Wait for the payloads, aggregate, inverse-transform, and update the parameter."""
+        with record_function("DeMo.communicate"):
+            for handle in flight.works:
+                handle.wait()
+        payloads = [
+            Payload({name: tensors[rank] for name, tensors in flight.gathered.items()}, flight.meta)
+            for rank in range(self.comm.world_size)
+        ]
+        param, layout = flight.param, flight.layout
+        work, scratch, spare = self._work_buffers(param)
+        with record_function("DeMo.decode"):
+            coefficients = self.codec.aggregate(payloads, layout, out=work, counts=scratch)
+            update = self._transform(
+                coefficients, layout, flight.bases, inverse=True, out=spare, scratch=scratch
+            )
+        with record_function("DeMo.update"):
+            if self.base == "sign":
+                update = update.sign_()
+            elif self.base == "muon":
+                update = newton_schulz(update.view(layout.rows, layout.cols))
+            param.add_(update.view(param.shape), alpha=-flight.lr)
+
+    # --------------------------------------------------------------- internals
+    @property
+    def _momentum_key(self) -> str:
+        """State key of the momentum: ``momentum`` (parameter domain, which for the identity
+        projection is also its coefficient domain) or ``momentum_dct`` (block DCT domain)."""
+        return "momentum_dct" if self._momentum_in_coefficients and self.projection == "dct" else "momentum"
+
+    def _momentum(self, state: dict[str, Any], layout: BlockLayout, param: torch.Tensor) -> torch.Tensor:
+        """The momentum buffer, created at zero, or converted from a checkpoint written in the
+        other domain (a run resumed with another projection)."""
+        key = self._momentum_key
+        if key not in state:
+            other = "momentum" if key == "momentum_dct" else "momentum_dct"
+            if other in state:
+                bases = self.codec.bases(layout, param.device, param.dtype)
+                stored = state.pop(other)
+                state[key] = block_transform(stored, layout, *bases, inverse=other == "momentum_dct").view(
+                    param.shape
+                )
+            else:
+                state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        return state[key]
+
+    def _bases(self, layout: BlockLayout, step: int, param: torch.Tensor) -> _Bases:
+        if self.projection == "identity":
+            return None, None
+        if self.projection == "dct":
+            return self.codec.bases(layout, param.device, param.dtype)
+        return tuple(
+            self._random_basis(size, step, param.device, param.dtype) if size > 1 else None
+            for size in (layout.chunk_rows, layout.chunk_cols)
+        )
+
+    def _random_basis(self, size: int, step: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (size, step, device, dtype)
+        if key not in self._random_bases:
+            # the seed depends only on (step, size): every worker draws the same basis
+            self._random_bases[key] = random_orthonormal_basis(size, 1_000_003 * step + size, device, dtype)
+        return self._random_bases[key]
+
+    @staticmethod
+    def _transform(
+        matrix: torch.Tensor,
+        layout: BlockLayout,
+        bases: _Bases,
+        *,
+        inverse: bool = False,
+        out: torch.Tensor,
+        scratch: torch.Tensor,
+        beta: float = 0.0,
+        alpha: float = 1.0,
+    ) -> torch.Tensor:
+        """:func:`block_transform`; the identity without accumulation returns ``matrix`` as it
+        is, saving a copy."""
+        if bases[0] is None and bases[1] is None and not beta and alpha == 1:
+            return matrix.view(layout.rows, layout.cols)
+        return block_transform(
+            matrix, layout, *bases, inverse=inverse, out=out, scratch=scratch, beta=beta, alpha=alpha
+        )
+
+    def _work_buffers(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (param.device, param.dtype)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < 3 * param.numel():
+            largest = max(
+                p.numel()
+                for group in self.param_groups
+                for p in group["params"]
+                if (p.device, p.dtype) == key
+            )
+            buffer = self._workspace[key] = torch.empty(3 * largest, device=param.device, dtype=param.dtype)
+        size = param.numel()
+        return buffer[:size], buffer[size : 2 * size], buffer[2 * size : 3 * size]

@@ -1,0 +1,155 @@
+"""DES-LOC (Iacob et al., arXiv 2505.22549): local Adam whose parameters, first moment and
+second moment are each averaged over the workers on their own period.
+
+Step t = 1, 2, ... (``t`` counts calls to ``step()``) on worker m, with local gradient g::
+
+    g   <- clip(g, -rho, rho)                              # per coordinate
+    if t % K_u == 0:  m <- mean_workers(m)                 # m_{t-1}, before it is used
+    m   <- beta1 m + (1 - beta1) g
+    if t % K_v == 0:  v <- mean_workers(v)                 # v_{t-1}, before it is used
+    v   <- beta2 v + (1 - beta2) g * g
+    theta <- theta (1 - lr wd)                             # decoupled weight decay (AdamW)
+    theta <- theta - lr m_hat / (sqrt(v_hat) + eps)        # m_hat = m, v_hat = v unless bias_correction
+    if t % K_x == 0:  theta <- mean_workers(theta)         # after the update
+
+The moment averages follow the paper's equations exactly (m_{t-1}, v_{t-1} replaced by their
+worker means at t mod K == 0). The parameter average is taken after step t's update, so
+theta_{t+1} = mean_m(theta_t^m - lr u_t^m) and the next gradient is evaluated at the
+consensus point, as in Local SGD / Local Adam; after a step with t % K_x == 0 every worker
+holds the same parameters. (The equation in notes/algorithms.md averages theta_t before
+adding the local update, which leaves workers apart right after a sync.)
+
+Bytes: at step t, one all-reduce of each state whose period divides t (the parameters' dtype);
+amortised, numel * bytes * (1/K_x + 1/K_u + 1/K_v) per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from lowcomm.comm import Communicator
+
+
+class DESLoc(torch.optim.Optimizer):
+    """Adam with per-coordinate clipping and desynchronised averaging of theta, m and v.
+
+    Args:
+        params: parameters or param groups (groups may override ``lr``, ``betas``, ``eps``,
+            ``weight_decay``); every worker must start from identical values.
+        lr, betas, eps, weight_decay: Adam(W) hyperparameters (decoupled weight decay).
+        clip: rho, the per-coordinate gradient clip (None: no clipping).
+        sync_x: K_x, the parameter averaging period.
+        sync_u, sync_v: K_u, K_v for the first and second moments (default 3 K_x and 6 K_x,
+            the paper's recommendation from the moments' half-lives).
+        bias_correction: divide m, v by (1 - beta^t) as Adam does; the paper's update has none.
+        comm: the workers' Communicator (None: the default process group, or one process).
+
+    Parameters without a gradient at a step keep their values and moments but still take part
+    in every average, so all workers issue the same collectives.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        clip: float | None = 1.0,
+        *,
+        sync_x: int,
+        sync_u: int | None = None,
+        sync_v: int | None = None,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        comm: Communicator | None = None,
+    ):
+        sync_u = 3 * sync_x if sync_u is None else sync_u
+        sync_v = 6 * sync_x if sync_v is None else sync_v
+        for name, period in (("sync_x", sync_x), ("sync_u", sync_u), ("sync_v", sync_v)):
+            if period < 1:
+                raise ValueError(f"{name} must be >= 1, got {period}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be > 0 or None, got {clip}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.clip = clip
+        self.sync_x, self.sync_u, self.sync_v = sync_x, sync_u, sync_v
+        self.bias_correction = bias_correction
+        self.comm = comm if comm is not None else Communicator()
+        self.steps_taken = 0
+        # Eager state: every worker must hold (and average) the moments of every parameter
+        # from the first sync on, whether or not it has seen a gradient for it yet.
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        works = [self.comm.all_reduce(tensor, op="avg", async_op=True) for tensor in tensors]
+        for work in works:
+            work.wait()
+
+    def _all_params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self.steps_taken + 1
+        params = self._all_params()
+        if step % self.sync_u == 0:
+            self._average([self.state[p]["exp_avg"] for p in params])
+        if step % self.sync_v == 0:
+            self._average([self.state[p]["exp_avg_sq"] for p in params])
+
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            step_size = lr / (1 - beta1**step) if self.bias_correction else lr
+            second_moment_scale = (1 - beta2**step) ** 0.5 if self.bias_correction else 1.0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if self.clip is None else p.grad.clamp(-self.clip, self.clip)
+                exp_avg, exp_avg_sq = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                if group["weight_decay"]:
+                    p.mul_(1 - lr * group["weight_decay"])
+                denominator = (exp_avg_sq.sqrt() / second_moment_scale).add_(group["eps"])
+                p.addcdiv_(exp_avg, denominator, value=-step_size)
+
+        if step % self.sync_x == 0:
+            self._average(params)
+        self.steps_taken = step
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["steps_taken"] = self.steps_taken
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.steps_taken = int(state_dict.pop("steps_taken"))
+        super().load_state_dict(state_dict)
+
+    @staticmethod
+    def amortized_payload_bytes(
+        shapes: Iterable[torch.Size | tuple[int, ...]],
+        sync_x: int,
+        sync_u: int | None = None,
+        sync_v: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> float:
+        """Average payload bytes per step and worker: numel * bytes * (1/K_x + 1/K_u + 1/K_v)."""
+        sync_u = 3 * sync_x if sync_u is None else sync_u
+        sync_v = 6 * sync_x if sync_v is None else sync_v
+        numel = sum(torch.Size(shape).numel() for shape in shapes)
+        return numel * dtype.itemsize * (1 / sync_x + 1 / sync_u + 1 / sync_v)

@@ -1,0 +1,232 @@
+"""DiLoCo (Douillard et al. 2023), optionally with a compressed pseudo-gradient and error
+feedback (MuLoCo, Thérien et al. 2025).
+
+Every worker runs ``sync_every`` (H) steps of its own inner optimizer, then all workers
+synchronise::
+
+    Delta_i = theta_global - theta_i                    # pseudo-gradient of worker i
+    Delta   = mean_i Delta_i                            # all-reduce (uncompressed), or:
+        E_i <- beta E_i + Delta_i;  D_i = C(E_i);  E_i <- E_i - decode(D_i)
+        Delta = mean_i decode(D_i)                      # all-gather of the payloads D_i
+    b <- mu b + Delta                                   # outer SGD, Nesterov momentum
+    theta_global <- theta_global - lr_out (Delta + mu b)
+    theta_i <- theta_global                             # every worker restarts from it
+
+The outer step is ``torch.optim.SGD(lr=lr_out, momentum=mu, dampening=0, nesterov=True)``
+applied to theta_global with gradient Delta (``nesterov=False``: theta -= lr_out b). With a
+constant outer lr it equals MuLoCo's form u <- mu u + lr_out Delta; theta <- theta - mu u -
+lr_out Delta (u = lr_out b). The compressed branch is MuLoCo's Algorithm 1: the accumulator
+takes Delta_i itself. The official MuLoCo code also multiplies the outer lr into the
+accumulator, so lr_out enters twice; we follow the paper.
+
+Inner optimizer states stay local and are never reset. MuLoCo is this class configured with
+a Muon inner optimizer (``inner`` is any optimizer, or a factory building one over the
+parameters), a ``compressor`` and an ``error_feedback`` beta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lowcomm.comm import Communicator
+from lowcomm.compress.base import Codec, Payload
+from lowcomm.compress.error_feedback import ErrorFeedback
+
+InnerOptimizer = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def all_gather_payloads(comm: Communicator, payloads: Sequence[Payload]) -> list[list[Payload]]:
+    """All-gather one payload per tensor from every worker: ``gathered[rank][i]``.
+
+    The payloads' tensors are concatenated per dtype into one flat buffer, so a
+    synchronisation costs one all-gather per wire dtype (e.g. uint8 codes and float32 tables)
+    rather than one per tensor; the metered payload is exactly the sum of ``Payload.nbytes``.
+    Every worker must pass payloads of the same shapes (codecs size them from the tensor's
+    shape only). ``meta`` is rebuilt locally, never sent.
+    """
+    segments: dict[torch.dtype, list[tuple[int, str, torch.Size]]] = {}
+    for index, payload in enumerate(payloads):
+        for key, tensor in payload.tensors.items():
+            segments.setdefault(tensor.dtype, []).append((index, key, tensor.shape))
+    gathered = [[Payload(tensors={}, meta=p.meta) for p in payloads] for _ in range(comm.world_size)]
+    for entries in segments.values():
+        flat = torch.cat([payloads[index].tensors[key].reshape(-1) for index, key, _ in entries])
+        sizes = [shape.numel() for _, _, shape in entries]
+        for rank, buffer in enumerate(comm.all_gather(flat)):
+            for (index, key, shape), piece in zip(entries, buffer.split(sizes), strict=True):
+                gathered[rank][index].tensors[key] = piece.view(shape)
+    return gathered
+
+
+def payload_nbytes(compressor: Codec | None, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes one worker sends for one tensor of ``shape``: dense, or ``compressor``'s payload."""
+    shape = torch.Size(shape)
+    if compressor is None:
+        return shape.numel() * dtype.itemsize
+    return compressor.payload_nbytes(shape, dtype)
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo / MuLoCo around any inner optimizer.
+
+    Args:
+        params: the parameters; every worker must start from identical values.
+        inner: the inner optimizer over exactly these parameters, or a callable building it
+            from the parameter list. Its ``param_groups`` are this optimizer's, so an LR
+            schedule drives the inner learning rate.
+        outer_lr, outer_momentum, nesterov: the outer SGD (the outer lr is not scheduled).
+        sync_every: H, the number of inner steps between synchronisations.
+        compressor: a codec for the pseudo-gradient (None: dense all-reduce in the parameters'
+            dtype).
+        error_feedback: the accumulator decay beta (None: no accumulator; what the codec
+            drops is lost). Needs a compressor.
+        comm: the workers' Communicator (None: the default process group, or one process).
+
+    Bytes on the wire: nothing between synchronisations; at each one, the parameters' size
+    (dense) or the sum of the payloads (compressed). ``amortized_payload_bytes`` gives the
+    per-step average.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        inner: InnerOptimizer,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        sync_every: int,
+        compressor: Codec | None = None,
+        error_feedback: float | None = None,
+        comm: Communicator | None = None,
+    ):
+        params = list(params)
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        if error_feedback is not None and compressor is None:
+            raise ValueError("error_feedback needs a compressor: uncompressed averaging drops nothing")
+        defaults = dict(
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every
+        )
+        super().__init__(params, defaults)
+
+        self.inner = inner(params) if callable(inner) else inner
+        inner_ids = {id(p) for group in self.inner.param_groups for p in group["params"]}
+        if inner_ids != {id(p) for p in params}:
+            raise ValueError("the inner optimizer must be built over exactly the parameters given to DiLoCo")
+        # The schedule and anything else reading param_groups (lr logging) see the inner groups.
+        self.param_groups = self.inner.param_groups
+
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        self.sync_every = sync_every
+        self.compressor = compressor
+        self.comm = comm if comm is not None else Communicator()
+        self._feedback = ErrorFeedback(compressor, error_feedback) if error_feedback is not None else None
+
+        self._params = params
+        with torch.no_grad():
+            self._global = [p.detach().clone() for p in params]
+        self._momentum = [torch.zeros_like(p) for p in self._global] if outer_momentum > 0 else None
+        self._error = [torch.zeros_like(p) for p in self._global] if self._feedback is not None else None
+        self.local_step = 0
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], float] | None = None):
+        """One inner step; every ``sync_every``-th call also synchronises the workers."""
+        loss = self.inner.step(closure)
+        self.local_step += 1
+        if self.local_step % self.sync_every == 0:
+            self._synchronise()
+        return loss
+
+    @torch.no_grad()
+    def _synchronise(self) -> None:
+        # Every worker restarts from the global copy, so a local parameter is dead once its
+        # pseudo-gradient is known: its storage holds Delta_i, then the worker mean Delta,
+        # then the outer update direction. No model-sized scratch buffer is needed.
+        for local, global_ in zip(self._params, self._global, strict=True):
+            local.sub_(global_).neg_()
+        if self.compressor is None:
+            works = [self.comm.all_reduce(delta, op="avg", async_op=True) for delta in self._params]
+            for work in works:
+                work.wait()
+        else:
+            self._average_compressed()
+        for index, (local, global_) in enumerate(zip(self._params, self._global, strict=True)):
+            direction = local  # the mean Delta, turned into the outer update direction in place
+            if self._momentum is not None:
+                momentum = self._momentum[index]
+                momentum.mul_(self.outer_momentum).add_(direction)
+                if self.nesterov:
+                    direction.add_(momentum, alpha=self.outer_momentum)
+                else:
+                    direction.copy_(momentum)
+            global_.sub_(direction, alpha=self.outer_lr)
+            local.copy_(global_)
+
+    def _average_compressed(self) -> None:
+        """Replace each Delta_i (held in the parameter) by mean_i decode(D_i)."""
+        if self._feedback is not None:
+            payloads = [
+                self._feedback.compress(error, delta)
+                for error, delta in zip(self._error, self._params, strict=True)
+            ]
+        else:
+            payloads = [self.compressor.encode(delta) for delta in self._params]
+        gathered = all_gather_payloads(self.comm, payloads)
+        for index, delta in enumerate(self._params):
+            # Decode one payload at a time: Algorithm 1's plain mean over workers, whatever a
+            # codec's own multi-payload decode does (DeMo-style codecs average over senders).
+            delta.zero_()
+            for worker_payloads in gathered:
+                delta.add_(self.compressor.decode([worker_payloads[index]]))
+            delta.div_(self.comm.world_size)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state: inner state, global copy, outer momentum, error-feedback
+        accumulators and the local step (which fixes where the next sync falls)."""
+        return {
+            "inner": self.inner.state_dict(),
+            "local_step": self.local_step,
+            "global_params": list(self._global),
+            "outer_momentum": list(self._momentum) if self._momentum is not None else None,
+            "error_feedback": list(self._error) if self._error is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, mine in (
+            ("global_params", self._global),
+            ("outer_momentum", self._momentum),
+            ("error_feedback", self._error),
+        ):
+            saved = state_dict[key]
+            if (saved is None) != (mine is None) or (mine is not None and len(saved) != len(mine)):
+                raise ValueError(f"DiLoCo state {key!r} does not match this optimizer's configuration")
+            for target, source in zip(mine or [], saved or [], strict=True):
+                target.copy_(source)
+        self.inner.load_state_dict(state_dict["inner"])
+        self.local_step = int(state_dict["local_step"])
+
+    # ------------------------------------------------------------------ accounting
+    @staticmethod
+    def amortized_payload_bytes(
+        shapes: Iterable[torch.Size | tuple[int, ...]],
+        sync_every: int,
+        compressor: Codec | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> float:
+        """Average payload bytes per step and worker: one synchronisation's payload / H
+        (uncompressed: numel * 4 / H for fp32 parameters)."""
+        per_sync = sum(payload_nbytes(compressor, shape, dtype) for shape in shapes)
+        return per_sync / sync_every

@@ -1,0 +1,166 @@
+"""Muon for the hidden weight matrices, AdamW for everything else, as one optimizer.
+
+Muon orthogonalises a 2-D update, which suits the hidden linear maps of a transformer but not
+lookup tables or the output head (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for
+LLM Training"), nor vectors. :func:`split_muon_adamw` sorts a model's trainable parameters by
+name and shape:
+
+- Muon: every 2-D weight that is neither an embedding nor the output head;
+- AdamW: embeddings (``transformer.wte``, ``transformer.wpe``, or any ``nn.Embedding``), the
+  untied output head (``transformer.ff_out``; tied models have none), every 1-D (and any
+  other non-2-D) parameter.
+
+:func:`muon_adamw` builds ``torch.optim.Muon`` and ``torch.optim.AdamW`` over the two sets and
+joins them in a :class:`CombinedOptimizer`, whose ``param_groups`` are the union of theirs, so
+an LR schedule that multiplies each group's ``initial_lr`` drives both learning rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Module names (in OLMo's naming) whose weights are tables or the vocabulary head, not hidden maps.
+# `transformer.ff_out` is the top-level head; the blocks' `transformer.blocks.<i>.ff_out` are hidden.
+ADAMW_MODULES: frozenset[str] = frozenset({"transformer.wte", "transformer.wpe", "transformer.ff_out"})
+
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+@dataclass(frozen=True)
+class MuonSplit:
+    """Parameter names of a model (trainable only), in ``named_parameters`` order."""
+
+    muon: list[str]
+    adamw: list[str]
+
+
+def split_muon_adamw(model: torch.nn.Module) -> MuonSplit:
+    """Which of ``model``'s trainable parameters Muon updates, and which AdamW does.
+
+    Works on any device, including ``meta`` (only names and shapes are read).
+    """
+    embedding_modules = {
+        name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)
+    }
+    muon, adamw = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        owner = name.rpartition(".")[0]
+        hidden_matrix = param.ndim == 2 and owner not in ADAMW_MODULES and owner not in embedding_modules
+        (muon if hidden_matrix else adamw).append(name)
+    return MuonSplit(muon=muon, adamw=adamw)
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, stepped together as one.
+
+    ``param_groups`` is the concatenation of the parts' groups (the same dict objects, so
+    setting a group's ``lr`` reaches the part that owns it); ``step``, ``zero_grad``,
+    ``state_dict`` and ``load_state_dict`` delegate to every part. The state dict holds one
+    entry per part name.
+
+    Args:
+        parts: name -> optimizer; no parameter may appear in two parts.
+    """
+
+    def __init__(self, parts: Mapping[str, torch.optim.Optimizer]):
+        if not parts:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        self.parts = dict(parts)
+        params = [p for part in self.parts.values() for group in part.param_groups for p in group["params"]]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter is managed by more than one of the combined optimizers")
+        super().__init__(params, defaults={})
+        # Replace the copies Optimizer.__init__ made with the parts' own group dicts.
+        self.param_groups = [group for part in self.parts.values() for group in part.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts.values():
+            part.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != set(self.parts):
+            raise ValueError(
+                f"optimizer state has parts {sorted(state_dict)}, this optimizer has {sorted(self.parts)}"
+            )
+        for name, part in self.parts.items():
+            # torch's load_state_dict swaps in new group dicts; copy them into the existing ones so
+            # that this optimizer's param_groups, and anything holding them (an LR schedule, an
+            # outer optimizer such as DiLoCo), keep driving the parts after a resume.
+            live_groups = part.param_groups
+            part.load_state_dict(state_dict[name])
+            for live, loaded in zip(live_groups, part.param_groups, strict=True):
+                live.clear()
+                live.update(loaded)
+            part.param_groups = live_groups
+
+
+def muon_adamw(
+    model: torch.nn.Module,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    *,
+    lr: float,
+    adamw_lr: float | None = None,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    adjust_lr_fn: str = "match_rms_adamw",
+    ns_steps: int = 5,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> CombinedOptimizer:
+    """Muon on ``model``'s hidden matrices and AdamW on the rest (see :func:`split_muon_adamw`).
+
+    Args:
+        model: the bare model (names are read from it).
+        params: restrict to these parameters of ``model`` (default: all trainable ones).
+        lr: Muon's learning rate, before ``adjust_lr_fn`` scales it per matrix; the weight decay
+            of the Muon group is applied as ``lr * weight_decay`` (unscaled), as in torch's Muon.
+        adamw_lr: AdamW's learning rate; None means ``lr`` (Moonlight's recipe: with
+            ``match_rms_adamw`` the two share one value).
+        momentum, nesterov, ns_steps: Muon's momentum (an EMA in torch's implementation; the
+            Newton-Schulz orthogonalisation makes the update scale-free) and its iterations.
+        adjust_lr_fn: ``match_rms_adamw`` (Moonlight: lr x 0.2 sqrt(max(A, B)), so the update
+            RMS matches AdamW's) or ``original`` (Keller Jordan: lr x sqrt(max(1, A / B))).
+        weight_decay, betas, eps: shared weight decay, AdamW's betas and eps.
+
+    Returns a :class:`CombinedOptimizer` with parts ``muon`` and ``adamw`` (a part with no
+    parameters is left out).
+    """
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    named = dict(model.named_parameters())
+    split = split_muon_adamw(model)
+    if params is None:
+        params = [p for p in named.values() if p.requires_grad]
+    wanted = {id(p) for p in params}
+    muon_params = [named[name] for name in split.muon if id(named[name]) in wanted]
+    adamw_params = [named[name] for name in split.adamw if id(named[name]) in wanted]
+    if len(muon_params) + len(adamw_params) != len(wanted):
+        raise ValueError("params must be trainable parameters of model")
+    parts: dict[str, torch.optim.Optimizer] = {}
+    if muon_params:
+        parts["muon"] = torch.optim.Muon(
+            muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+        )
+    if adamw_params:
+        parts["adamw"] = torch.optim.AdamW(
+            adamw_params, lr=lr if adamw_lr is None else adamw_lr, betas=tuple(betas), eps=eps,
+            weight_decay=weight_decay,
+        )
+    return CombinedOptimizer(parts)

@@ -1,0 +1,134 @@
+"""Command lines of the paper's artifacts (the scripts in ``analysis/`` call these).
+
+Each selects runs by glob (``--runs 'runs/table1_1b/*'``) or by the sweep that made them
+(``--sweep table1_1b``: every job's run directory; those not run yet are listed as missing),
+reads only run directories and ``results/``, writes its outputs and prints their paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lowcomm.config import ConfigError, repo_root
+from lowcomm.report.figures import FORMATS, plot_loss_curves, plot_loss_vs_mb
+from lowcomm.report.paper import load_paper_table1, paper_table1_path
+from lowcomm.report.select import Selection, select_by_globs, select_by_sweep
+from lowcomm.report.table1 import build_table1
+
+
+def _selection_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--runs", nargs="+", metavar="GLOB", help="run directories; quote globs")
+    which.add_argument("--sweep", metavar="NAME", help="the runs of sweeps/NAME.yaml (or a sweep file)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --sweep: a Hydra override added to every job, as at launch (repeatable)")
+    parser.add_argument("--run-root", help="with --sweep: where the runs are (same as --override run_root=DIR)")
+    parser.add_argument("--out", type=Path, help="output directory (default: results/<sweep> or results/report)")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=["png", "pdf", "svg"],
+                        help="figure formats (default: png pdf)")
+    return parser
+
+
+def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Selection, Path]:
+    """The runs asked for (or a parser error if there are none) and the output directory."""
+    if args.sweep is None and (args.override or args.run_root):
+        parser.error("--override and --run-root apply to --sweep only")
+    if args.sweep is not None:
+        overrides = [*args.override, *([f"run_root={args.run_root}"] if args.run_root else [])]
+        try:
+            selection = select_by_sweep(args.sweep, overrides)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:
+            parser.error(str(exc))
+        default_out = repo_root() / "results" / Path(args.sweep).stem
+    else:
+        selection = select_by_globs(args.runs)
+        default_out = repo_root() / "results" / "report"
+    for missing in selection.missing:
+        print(f"missing: {missing}", file=sys.stderr)
+    if not selection.runs:
+        parser.error("no run directory found")
+    return selection, args.out or default_out
+
+
+def table1_main(argv: list[str] | None = None) -> int:
+    """``analysis/table1.py``: the paper's Table 1 as Markdown (printed), LaTeX and CSV."""
+    parser = _selection_parser("table1", "The DeMo paper's Table 1 from runs, beside the paper's numbers.")
+    parser.add_argument("--paper", type=Path, help=f"the paper's numbers (default: {paper_table1_path()})")
+    parser.add_argument("--no-paper", action="store_true", help="ours only")
+    parser.add_argument("--eval-step", type=int, help="benchmarks of this step's evaluation (default: latest)")
+    parser.add_argument("--loss", choices=["val", "train"], default="val",
+                        help="our final loss: the final validation loss (default) or the last training loss")
+    parser.add_argument("--all-paper-rows", action="store_true",
+                        help="also list the paper's rows (for the runs' models) that no run reproduces")
+    parser.add_argument("--stem", default="table1", help="output file names: STEM.md, STEM.tex, STEM.csv")
+    args = parser.parse_args(argv)
+    selection, out_dir = _select(parser, args)
+    paper_rows = []
+    if not args.no_paper:
+        paper_file = args.paper or paper_table1_path()
+        if paper_file.is_file():
+            paper_rows = load_paper_table1(paper_file)
+        elif args.paper:
+            parser.error(f"{paper_file} does not exist")
+        else:
+            print(f"note: {paper_file} not found; the paper's numbers are left out", file=sys.stderr)
+    table = build_table1(selection.runs, paper_rows, eval_step=args.eval_step,
+                         include_unmatched_paper=args.all_paper_rows, loss=args.loss)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown = table.to_markdown()
+    (out_dir / f"{args.stem}.md").write_text(markdown + "\n")
+    (out_dir / f"{args.stem}.tex").write_text(table.to_latex() + "\n")
+    table.write_csv(out_dir / f"{args.stem}.csv")
+    print(markdown)
+    print()
+    for suffix in ("md", "tex", "csv"):
+        print(f"table: {out_dir / f'{args.stem}.{suffix}'}")
+    return 0
+
+
+def loss_vs_mb_main(argv: list[str] | None = None) -> int:
+    """``analysis/loss_vs_mb.py``: final loss against MB/step with the Pareto front (Figure 4)."""
+    parser = _selection_parser("loss_vs_mb", "Final validation loss against MB/step, with the Pareto front.")
+    parser.add_argument("--perplexity", action="store_true", help="plot exp(loss)")
+    parser.add_argument("--mb", choices=["payload", "tx"], default="payload",
+                        help="payload: the papers' Tx MB/step (default); tx: bytes sent under the ring algorithm")
+    parser.add_argument("--no-annotate", action="store_true", help="do not label each point")
+    parser.add_argument("--title", default="")
+    parser.add_argument("--stem", default="loss_vs_mb", help="output file name without extension")
+    args = parser.parse_args(argv)
+    selection, out_dir = _select(parser, args)
+    paths, skipped = plot_loss_vs_mb(selection.runs, out_dir, stem=args.stem, mb=args.mb,
+                                     perplexity=args.perplexity, annotate=not args.no_annotate,
+                                     formats=tuple(args.formats), title=args.title)
+    for run, reason in skipped:
+        print(f"left out: {run.path}: {reason}", file=sys.stderr)
+    for path in paths:
+        print(f"figure: {path}")
+    return 0
+
+
+def curves_main(argv: list[str] | None = None) -> int:
+    """``analysis/curves.py``: loss against steps and against cumulative MB (Figure 2)."""
+    parser = _selection_parser("curves", "Loss curves against optimizer steps and cumulative MB sent.")
+    parser.add_argument("--key", nargs="+", default=["train/loss"], metavar="METRIC",
+                        help="metrics.jsonl key(s) to plot, e.g. train/loss val/loss (default: train/loss)")
+    parser.add_argument("--perplexity", action="store_true", help="plot exp(loss)")
+    parser.add_argument("--smoothing", type=float, default=0.0, help="EMA weight in [0, 1) (default 0: raw)")
+    parser.add_argument("--linear-mb", action="store_true", help="linear cumulative-MB axis (default: log)")
+    parser.add_argument("--title", default="")
+    args = parser.parse_args(argv)
+    if not 0 <= args.smoothing < 1:
+        parser.error(f"--smoothing must be in [0, 1), got {args.smoothing}")
+    selection, out_dir = _select(parser, args)
+    for key in args.key:
+        for run in selection.runs:
+            if not run.series(key)[0]:
+                print(f"left out of {key}: {run.path}: none logged", file=sys.stderr)
+        for path in plot_loss_curves(selection.runs, out_dir, key=key, formats=tuple(args.formats),
+                                     title=args.title, perplexity=args.perplexity,
+                                     smoothing=args.smoothing, log_mb=not args.linear_mb):
+            print(f"figure: {path}")
+    return 0

@@ -1,0 +1,56 @@
+"""Benchmark scores from ``<run_dir>/eval/step_XXXXXXXXX.json``.
+
+Such a file is written by ``lowcomm-eval`` (:mod:`lowcomm.eval`); a results file of lm-eval's own
+CLI placed there is read too. The keys read, in order of preference, for task ``T`` and metric ``M``:
+
+1. ``tasks[T][M]`` and ``tasks[T][M + "_stderr"]``: lowcomm-eval's per-task summary;
+2. ``lm_eval.results[R]["M,none"]`` and ``["M_stderr,none"]``, with ``R`` = ``lowcomm_T`` or ``T``:
+   lm-eval's raw results as lowcomm-eval stores them beside the summary;
+3. ``results[R]["M,none"]`` / ``["M_stderr,none"]``: a file of lm-eval's CLI (``--output_path``);
+   ``results[R][M]`` / ``[M + "_stderr"]`` for lm-eval before 0.4, which had no filter suffix.
+
+lm-eval writes the stderr as the string ``"N/A"`` when it cannot compute one (a single document);
+that reads as None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Score:
+    """One benchmark metric: the mean over documents and its standard error (None if unknown)."""
+
+    value: float
+    stderr: float | None
+
+
+def task_score(result: dict[str, Any], task: str, metric: str) -> Score | None:
+    """``metric`` (e.g. ``acc_norm``) of ``task`` (e.g. ``hellaswag``) in one evaluation file's
+    content, or None when the file does not have it."""
+    summary = (result.get("tasks") or {}).get(task)
+    if isinstance(summary, dict) and _number(summary.get(metric)) is not None:
+        return Score(_number(summary[metric]), _number(summary.get(f"{metric}_stderr")))
+    for results in ((result.get("lm_eval") or {}).get("results"), result.get("results")):
+        if not isinstance(results, dict):
+            continue
+        for name in (f"lowcomm_{task}", task):
+            entry = results.get(name)
+            if not isinstance(entry, dict):
+                continue
+            for value_key, stderr_key in ((f"{metric},none", f"{metric}_stderr,none"),
+                                          (metric, f"{metric}_stderr")):
+                value = _number(entry.get(value_key))
+                if value is not None:
+                    return Score(value, _number(entry.get(stderr_key)))
+    return None
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for a missing key, ``"N/A"`` or NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -1,0 +1,135 @@
+"""Figures from run directories, each written as PNG and PDF:
+
+- :func:`plot_loss_curves`: loss against steps and against cumulative MB sent (the DeMo paper's
+  Figure 2), one line per run;
+- :func:`plot_loss_vs_mb`: final validation loss (or perplexity) against MB/step on a log axis,
+  one marker per optimizer family, with the Pareto front drawn (the paper's Figure 4).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from lowcomm.report.pareto import loss_mb_points, pareto_runs  # noqa: E402
+from lowcomm.report.runs import OPTIMIZER_NAMES, RunRecord, distinct_labels  # noqa: E402
+
+FAMILY_MARKERS = {"adamw_ddp": "o", "muon_ddp": "s", "powersgd": "P", "demo": "*", "flexdemo": "X",
+                  "diloco": "^", "muloco": "v", "desloc": "D"}
+# A fixed colour per family, so that DeMo is the same colour in every figure of a paper.
+FAMILY_COLORS = {family: f"C{index}" for index, family in enumerate(FAMILY_MARKERS)}
+FORMATS = ("png", "pdf")
+
+
+def _save(fig, out_dir: Path, stem: str, formats: tuple[str, ...]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        path = out_dir / f"{stem}.{fmt}"
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
+def _floor(ax, runs: list[RunRecord], perplexity: bool = False) -> None:
+    """The synthetic corpus's Bayes floor, when every run shares one (same corpus and slice)."""
+    floors = {run.bayes_floor for run in runs if run.bayes_floor is not None}
+    if len(floors) == 1:
+        floor = floors.pop()
+        ax.axhline(math.exp(floor) if perplexity else floor, color="0.3", ls=":", lw=1, label="Bayes floor")
+
+
+def _ema(values: list[float], smoothing: float) -> list[float]:
+    """Exponential moving average with weight ``smoothing`` on the past (0: unchanged)."""
+    smoothed, average = [], None
+    for value in values:
+        average = value if average is None else smoothing * average + (1 - smoothing) * value
+        smoothed.append(average)
+    return smoothed
+
+
+def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/loss",
+                     formats: tuple[str, ...] = FORMATS, title: str = "", perplexity: bool = False,
+                     smoothing: float = 0.0, log_mb: bool = True) -> list[Path]:
+    """Two figures, one line per run: ``<prefix>loss_vs_step`` and ``<prefix>loss_vs_cum_MB``
+    (cumulative payload MB per worker, log x unless ``log_mb`` is False). The prefix is empty for
+    ``train/loss`` and ``val_`` for ``val/loss``. ``smoothing``: EMA weight in [0, 1) applied to
+    the plotted values (noisy training losses)."""
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    prefix = "" if key == "train/loss" else key.replace("/loss", "").replace("/", "_") + "_"
+    quantity = key.replace("/", " ").replace("loss", "perplexity" if perplexity else "loss")
+    labels = distinct_labels(runs)
+    written = []
+    for stem, xlabel in (("loss_vs_step", "optimizer step"),
+                         ("loss_vs_cum_MB", "cumulative MB sent per worker (payload)")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for run, label in zip(runs, labels, strict=True):
+            steps, values = run.series(key)
+            if not steps:
+                continue
+            x = steps if stem == "loss_vs_step" else run.cumulative_mb_at(steps)
+            y = _ema(values, smoothing)
+            if perplexity:
+                y = [math.exp(v) for v in y]
+            ax.plot(x, y, marker=FAMILY_MARKERS.get(run.optimizer, "."), markevery=max(len(x) // 6, 1),
+                    ms=5, lw=1.4, label=label)
+        if key.startswith("val/"):
+            _floor(ax, runs, perplexity)
+        if stem == "loss_vs_cum_MB" and log_mb:
+            # A step that sent nothing yet (DiLoCo before its first sync) sits at 0 and is masked.
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(quantity + (f" (EMA {smoothing:g})" if smoothing else ""))
+        ax.set_title(title or f"{quantity} vs {xlabel}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        written += _save(fig, out_dir, prefix + stem, formats)
+    return written
+
+
+def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_vs_mb", mb: str = "payload",
+                    perplexity: bool = False, annotate: bool = True, formats: tuple[str, ...] = FORMATS,
+                    title: str = "") -> tuple[list[Path], list[tuple[RunRecord, str]]]:
+    """Final validation loss (``perplexity``: its exponential) against MB/step of each run, log x,
+    with the Pareto front as a staircase through its runs (lower left is better).
+
+    Returns the files written and the runs left out with the reason (no numbers yet, diverged,
+    nothing sent)."""
+    points, skipped = loss_mb_points(runs, mb=mb, perplexity=perplexity)
+    labels = dict(zip((id(run) for run in runs), distinct_labels(runs), strict=True))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for family in dict.fromkeys(point.run.optimizer for point in points):
+        members = [point for point in points if point.run.optimizer == family]
+        ax.scatter([p.mb_per_step for p in members], [p.loss for p in members], s=60, zorder=3,
+                   marker=FAMILY_MARKERS.get(family, "."), color=FAMILY_COLORS.get(family, "0.4"),
+                   label=OPTIMIZER_NAMES.get(family, family))
+    front = pareto_runs(points)
+    if front:
+        # Between two front runs the best loss reachable for the bytes is the cheaper run's:
+        # a step drawn after each point.
+        ax.step([p.mb_per_step for p in front], [p.loss for p in front], where="post", color="0.25",
+                ls="--", lw=1, zorder=2, label="Pareto front")
+        ax.scatter([p.mb_per_step for p in front], [p.loss for p in front], s=150, facecolors="none",
+                   edgecolors="0.25", lw=1, zorder=2)
+    if annotate:
+        for point in points:
+            ax.annotate(labels[id(point.run)], (point.mb_per_step, point.loss), textcoords="offset points",
+                        xytext=(5, 4), fontsize=7)
+    _floor(ax, [point.run for point in points], perplexity)
+    ax.set_xscale("log")
+    what = "payload MB per worker per step" if mb == "payload" else "MB sent per worker per step (ring)"
+    quantity = "final validation perplexity" if perplexity else "final validation loss"
+    ax.set_xlabel(f"{what} (log scale)")
+    ax.set_ylabel(quantity)
+    ax.set_title(title or f"{quantity} vs communication")
+    ax.grid(alpha=0.3, which="both")
+    if points:
+        ax.legend(fontsize=8)
+    return _save(fig, out_dir, stem, formats), skipped

@@ -1,0 +1,221 @@
+"""Reading run directories (never wandb): config, metrics, summary and evaluations.
+
+A run that is still training or was stopped early has no ``summary.json``; its numbers are then
+taken from ``metrics.jsonl`` at the last logged step, so a partial sweep can be reported too.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+# How the papers and this repository's README name each optimizer config.
+OPTIMIZER_NAMES = {
+    "adamw_ddp": "AdamW-DDP", "muon_ddp": "Muon-DDP", "powersgd": "PowerSGD", "demo": "DeMo",
+    "flexdemo": "FlexDeMo", "diloco": "DiLoCo", "muloco": "MuLoCo", "desloc": "DES-LOC",
+}
+
+
+@dataclass
+class RunRecord:
+    """Everything one run directory holds, read once."""
+
+    path: Path
+    config: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def optimizer(self) -> str:
+        return self.config["optimizer"]["name"]
+
+    @property
+    def model(self) -> str:
+        return self.config["model"]["name"]
+
+    @property
+    def label(self) -> str:
+        """The config's ``label``, else the optimizer's name plus its DCT chunk and k when it has them."""
+        if self.config.get("label"):
+            return self.config["label"]
+        name = OPTIMIZER_NAMES.get(self.optimizer, self.optimizer)
+        return f"{name} s={self.chunk} k={self.topk}" if self.topk is not None else name
+
+    @property
+    def chunk(self) -> int | None:
+        """DCT block side: the ``dct_topk`` compression group's, else the optimizer's own
+        ``compression_chunk`` (DeMo's fields); None for a run that sends no DCT top-k."""
+        return self._dct_setting("chunk")
+
+    @property
+    def topk(self) -> int | None:
+        """Coefficients kept per DCT block, found like :attr:`chunk`."""
+        return self._dct_setting("topk")
+
+    def _dct_setting(self, field_name: str) -> int | None:
+        # DeMo reads the compression group when it is dct_topk and its own fields otherwise
+        # (configs/optimizer/demo.yaml); the other optimizers only have the group.
+        compression = self.config.get("compression") or {}
+        if compression.get("name") == "dct_topk":
+            return compression.get(field_name)
+        return self.config["optimizer"].get(f"compression_{field_name}")
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run finished (only a finished run writes ``summary.json``)."""
+        return self.summary is not None
+
+    @property
+    def final_step(self) -> int | None:
+        if self.summary is not None and self.summary.get("steps") is not None:
+            return int(self.summary["steps"])
+        return self.metrics[-1]["step"] if self.metrics else None
+
+    @property
+    def final_val_loss(self) -> float | None:
+        """The summary's final validation loss, else the last ``val/loss`` logged."""
+        if self.summary is not None and self.summary.get("final_val_loss") is not None:
+            return float(self.summary["final_val_loss"])
+        _, losses = self.series("val/loss")
+        return losses[-1] if losses else None
+
+    @property
+    def final_train_loss(self) -> float | None:
+        """The last ``train/loss`` logged (the mean over workers of that step's loss)."""
+        _, losses = self.series("train/loss")
+        return losses[-1] if losses else None
+
+    @property
+    def bayes_floor(self) -> float | None:
+        if self.summary is not None and self.summary.get("bayes_floor") is not None:
+            return float(self.summary["bayes_floor"])
+        _, floors = self.series("val/bayes_floor")
+        return floors[-1] if floors else None
+
+    @property
+    def payload_mb_per_step(self) -> float | None:
+        """MB (1e6 bytes) this worker contributed per step, averaged over the run: the papers'
+        "Tx MB/step". From the summary, else the cumulative payload at the last logged step."""
+        return self._mb_per_step("payload_MB_per_step", "comm/cum_payload_MB")
+
+    @property
+    def tx_mb_per_step(self) -> float | None:
+        """MB this worker sent per step under each collective's standard algorithm (ring)."""
+        return self._mb_per_step("tx_MB_per_step", "comm/cum_tx_MB")
+
+    def _mb_per_step(self, summary_key: str, cumulative_key: str) -> float | None:
+        if self.summary is not None and self.summary.get(summary_key) is not None:
+            return float(self.summary[summary_key])
+        steps, cumulative = self.series(cumulative_key)
+        return cumulative[-1] / steps[-1] if steps and steps[-1] > 0 else None
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` of every logged ``key``, by step; a step logged twice keeps its
+        last value (a resumed run re-logs the steps after its checkpoint)."""
+        by_step = {r["step"]: r[key] for r in self.metrics if r.get(key) is not None}
+        steps = sorted(by_step)
+        return steps, [by_step[s] for s in steps]
+
+    def cumulative_mb_at(self, steps: list[int]) -> list[float]:
+        """Cumulative payload MB at each of ``steps`` (the x axis of loss-vs-MB curves).
+
+        Exact at the steps that logged it; in between (an evaluation logged on its own line)
+        linearly interpolated, which is exact for a constant payload per step."""
+        logged_steps, cumulative = self.series("comm/cum_payload_MB")
+        if not logged_steps:
+            raise ValueError(f"{self.path}: metrics.jsonl has no comm/cum_payload_MB")
+        return [float(v) for v in np.interp(steps, logged_steps, cumulative)]
+
+    def eval_result(self, step: int | None = None) -> tuple[int, dict[str, Any]] | None:
+        """The evaluation stored for ``step`` (default: the latest one) as ``(step, result)``."""
+        if not self.evals:
+            return None
+        chosen = max(self.evals) if step is None else step
+        return (chosen, self.evals[chosen]) if chosen in self.evals else None
+
+
+def load_run(path: str | Path) -> RunRecord:
+    path = Path(path)
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing: {path} is not a lowcomm run directory")
+    metrics_file = path / "metrics.jsonl"
+    metrics = []
+    if metrics_file.is_file():
+        for line_no, line in enumerate(metrics_file.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    metrics.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{metrics_file}:{line_no} is not valid JSON: {exc}") from exc
+    summary_file = path / "summary.json"
+    evals = {}
+    # lowcomm-eval writes step_XXXXXXXXX.json atomically through a hidden temporary file; the
+    # pattern cannot match that file, so a half-written result is never read.
+    for eval_file in sorted((path / "eval").glob("step_*.json")):
+        evals[int(eval_file.stem.split("_")[1])] = json.loads(eval_file.read_text())
+    return RunRecord(
+        path=path,
+        config=OmegaConf.to_container(OmegaConf.load(config_file), resolve=True),
+        metrics=metrics,
+        summary=json.loads(summary_file.read_text()) if summary_file.is_file() else None,
+        evals=evals,
+    )
+
+
+def find_runs(patterns: list[str]) -> list[RunRecord]:
+    """Run directories matching globs (a directory with a config.yaml), sorted by path."""
+    found = sorted({Path(p) for pattern in patterns for p in glob.glob(str(pattern))
+                    if (Path(p) / "config.yaml").is_file()})
+    return [load_run(p) for p in found]
+
+
+def distinct_labels(runs: list[RunRecord]) -> list[str]:
+    """Each run's :attr:`~RunRecord.label`, extended where two runs would share one by the
+    config values that tell them apart (``DeMo lr=0.001``), for legends and table rows."""
+    labels = [run.label for run in runs]
+    for label in set(labels):
+        group = [i for i, other in enumerate(labels) if other == label]
+        if len(group) < 2:
+            continue
+        flat = [_flatten(runs[i].config) for i in group]
+        keys = sorted({key for config in flat for key in config} - _NOT_DISTINGUISHING)
+        differing = [key for key in keys if len({repr(config.get(key)) for config in flat}) > 1]
+        for i, config in zip(group, flat, strict=True):
+            if 0 < len(differing) <= _MAX_LABEL_DETAILS:
+                detail = " ".join(f"{key.rsplit('.', 1)[-1]}={config.get(key)}" for key in differing)
+            else:  # the same config, or too many differences to read: name the directory
+                detail = f"({runs[i].path.parent.name}/{runs[i].name})"
+            labels[i] = f"{label} {detail}"
+    return labels
+
+
+# More differing values than this make a label unreadable; the run directory is named instead.
+_MAX_LABEL_DETAILS = 3
+
+
+# Config keys that differ between runs without changing what was trained.
+_NOT_DISTINGUISHING = {"run_root", "run_name", "label", "experiment_name", "train.log_every",
+                       "train.checkpoint_every", "train.keep_checkpoints"}
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        if prefix == "" and key == "wandb":
+            continue
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat

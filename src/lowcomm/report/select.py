@@ -1,0 +1,58 @@
+"""Choosing the runs a table or figure is built from: by glob, or by the sweep that made them.
+
+A sweep names its runs exactly: each job's config is composed and validated as at launch, and
+its deterministic run directory (``<run_root>/<experiment_name>/<run_name>``) is looked up, so a
+job that has not run (or not started writing) is reported as missing rather than silently absent.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lowcomm.report.runs import RunRecord, load_run
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass
+class Selection:
+    runs: list[RunRecord]
+    missing: list[str] = field(default_factory=list)  # what was asked for but holds no run, and why
+
+
+def select_by_globs(patterns: list[str]) -> Selection:
+    """Run directories (holding a ``config.yaml``) matching any of ``patterns``, sorted by path."""
+    found: set[Path] = set()
+    missing = []
+    for pattern in patterns:
+        matches = {Path(p) for p in glob.glob(pattern) if (Path(p) / CONFIG_FILE).is_file()}
+        if not matches:
+            missing.append(f"{pattern} (matches no run directory)")
+        found |= matches
+    return Selection([load_run(path) for path in sorted(found)], missing)
+
+
+def sweep_run_dirs(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> list[Path]:
+    """The run directory of every job of ``sweeps/<sweep>.yaml`` (or a sweep file's path), in the
+    sweep's order, with ``overrides`` added to every job (e.g. ``run_root=/scratch/runs``).
+
+    Raises :class:`lowcomm.config.ConfigError` when a job's config is invalid."""
+    from lowcomm.config import validate
+    from lowcomm.launch.sweep import load_sweep
+    from lowcomm.train.cli import compose
+
+    run_dirs = [validate(compose([*job, *overrides])).run_dir for job in load_sweep(sweep).jobs]
+    return list(dict.fromkeys(run_dirs))  # two jobs with the same config share one directory
+
+
+def select_by_sweep(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> Selection:
+    """The runs of a sweep that exist; the others listed as missing."""
+    runs, missing = [], []
+    for run_dir in sweep_run_dirs(sweep, overrides):
+        if (run_dir / CONFIG_FILE).is_file():
+            runs.append(load_run(run_dir))
+        else:
+            missing.append(f"{run_dir} (not run yet)")
+    return Selection(runs, missing)

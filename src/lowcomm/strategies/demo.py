@@ -1,0 +1,101 @@
+"""DeMo as a strategy: no DDP wrapper; each worker's local gradient goes to
+:class:`lowcomm.optim.DeMo`, which sends its compressed momentum through the Communicator.
+
+The optimizer config (``configs/optimizer/demo.yaml``) holds all of DeMo's settings, chunk,
+top-k and wire format included, so ``optimizer=demo`` alone is the paper's setup. The
+``compression`` group is optional: ``compression=dct_topk`` replaces ``compression_chunk``,
+``compression_topk`` and ``wire`` with its ``chunk``, ``topk`` and ``wire``, so sweeps can vary
+the codec through the same keys as for the other optimizers; ``compression=none`` (the
+default) keeps the optimizer config's values. DeMo always compresses: "none" does not mean
+dense gradients here.
+
+Momentum is per worker, so checkpoints keep one optimizer file per rank. As with DDP, every
+rank builds the model from the same seed (or loads the same checkpoint) and the workers stay
+identical because they all apply the same aggregate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowcomm.compress.dct_topk import WIRES
+from lowcomm.optim.demo import BASES, PROJECTIONS, DeMo, demo_payload_bytes
+from lowcomm.strategies.base import OptimizerConfig, Strategy, register
+
+
+@dataclass
+class DeMoConfig(OptimizerConfig):
+    """``configs/optimizer/demo.yaml``; the fields are :class:`~lowcomm.optim.DeMo`'s arguments."""
+
+    lr: float = 4e-4
+    compression_decay: float = 0.999
+    compression_topk: int = 32
+    compression_chunk: int = 64
+    weight_decay: float = 0.0
+    momentum_subtraction: float = 1.0
+    projection: str = "dct"
+    base: str = "sign"
+    wire: str = "paper"
+
+    def validate(self) -> list[str]:
+        errors = super().validate()
+        if not 0 <= self.compression_decay < 1:
+            errors.append(f"optimizer.compression_decay must be in [0, 1), got {self.compression_decay}")
+        for key in ("compression_topk", "compression_chunk"):
+            if getattr(self, key) < 1:
+                errors.append(f"optimizer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.weight_decay < 0:
+            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum_subtraction <= 1:
+            errors.append(
+                f"optimizer.momentum_subtraction must be in [0, 1], got {self.momentum_subtraction}"
+            )
+        for key, allowed in (("projection", PROJECTIONS), ("base", BASES), ("wire", WIRES)):
+            if getattr(self, key) not in allowed:
+                errors.append(
+                    f"optimizer.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}"
+                )
+        return errors
+
+
+@register
+class DeMoStrategy(Strategy):
+    name = "demo"
+    Config = DeMoConfig
+    accepts_compression = ("none", "dct_topk")
+    replicated_optimizer_state = False  # the momentum is each worker's own
+
+    def codec_settings(self) -> dict[str, int | str]:
+        """chunk, topk and wire: the optimizer config's, or the dct_topk compression group's."""
+        cfg, compression = self.cfg, self.compression
+        settings = {"chunk": cfg.compression_chunk, "topk": cfg.compression_topk, "wire": cfg.wire}
+        if compression.get("name", "none") == "dct_topk":
+            settings.update({key: compression[key] for key in settings if key in compression})
+        return settings
+
+    def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DeMo]:
+        cfg, codec = self.cfg, self.codec_settings()
+        optimizer = DeMo(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            compression_decay=cfg.compression_decay,
+            compression_topk=codec["topk"],
+            compression_chunk=codec["chunk"],
+            weight_decay=cfg.weight_decay,
+            momentum_subtraction=cfg.momentum_subtraction,
+            projection=cfg.projection,
+            base=cfg.base,
+            wire=codec["wire"],
+            comm=self.comm,
+        )
+        return model, optimizer
+
+    def wire_collective(self) -> str:
+        return "all_gather"
+
+    def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
+        """Per step and worker: the DCT top-k payload of every trainable parameter."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return demo_payload_bytes([p.shape for p in params], dtype=params[0].dtype, **self.codec_settings())

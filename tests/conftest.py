@@ -1,0 +1,154 @@
+"""Shared fixtures.
+
+SLURM: ``local_slurm`` starts a private single-node cluster (slurm/local_slurm.sh) for the test
+session and ``slurm_results`` waits for a submitit job on it with a deadline. Tests that use them
+are marked ``@pytest.mark.slurm``. Without root, or where slurm-wlm cannot be installed, they are
+skipped, unless LOWCOMM_REQUIRE_SLURM=1 (CI on a machine that must run them), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = REPO_ROOT / "slurm" / "local_slurm.sh"
+# local_slurm.sh's exit status for "SLURM cannot be had on this machine".
+SLURM_UNAVAILABLE_STATUS = 4
+# Final states in which a job will never write its results.
+SLURM_FAILED_STATES = {
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+
+
+def _slurm_unavailable(reason: str) -> None:
+    if os.environ.get("LOWCOMM_REQUIRE_SLURM") == "1":
+        pytest.fail(
+            f"LOWCOMM_REQUIRE_SLURM=1 but the local SLURM cluster is unavailable: {reason}", pytrace=False
+        )
+    pytest.skip(f"local SLURM cluster unavailable: {reason}")
+
+
+def _free_ports(count: int) -> list[int]:
+    # All sockets stay bound until every port is chosen, so the ports are distinct.
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[str]:
+    """A running single-node SLURM cluster for this session; yields its SLURM_CONF path.
+
+    Each session gets its own state directory and ports, so concurrent sessions (and a cluster
+    started by hand in /tmp/lowcomm-slurm) do not share or stop each other's daemons.
+    SLURM_CONF is set in os.environ for the session: sbatch, squeue and the jobs' srun read it.
+    """
+    if os.geteuid() != 0:
+        _slurm_unavailable("not running as root (slurm/local_slurm.sh starts slurmctld, slurmd and munged)")
+    # Short and world-searchable: the munge user must reach its socket below it, and a UNIX socket
+    # path is limited to ~108 bytes.
+    state_dir = Path(tempfile.mkdtemp(prefix="lowcomm-slurm-", dir="/tmp"))
+    state_dir.chmod(0o755)
+    ctld_port, slurmd_port = _free_ports(2)
+    env = {
+        **os.environ,
+        "LOWCOMM_SLURM_CTLD_PORT": str(ctld_port),
+        "LOWCOMM_SLURM_SLURMD_PORT": str(slurmd_port),
+    }
+    started = subprocess.run(
+        [str(LOCAL_SLURM), "start", str(state_dir)], env=env, capture_output=True, text=True, timeout=900
+    )
+    if started.returncode != 0:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if started.returncode == SLURM_UNAVAILABLE_STATUS:
+            _slurm_unavailable(started.stderr.strip().splitlines()[-1])
+        pytest.fail(
+            f"slurm/local_slurm.sh start failed ({started.returncode}):\n{started.stderr}", pytrace=False
+        )
+    slurm_conf = str(state_dir / "slurm.conf")
+    previous_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = slurm_conf
+    try:
+        yield slurm_conf
+    finally:
+        subprocess.run([str(LOCAL_SLURM), "stop", str(state_dir)], env=env, capture_output=True, timeout=120)
+        if previous_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous_conf
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _squeue_state(job_id: str) -> str:
+    # Without accounting sacct cannot answer; squeue keeps finished jobs for MinJobAge seconds.
+    listed = subprocess.run(
+        ["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"],
+        capture_output=True,
+        text=True,
+    )
+    return listed.stdout.strip().splitlines()[0] if listed.stdout.strip() else "UNKNOWN"
+
+
+def _job_logs(job: Any) -> str:
+    logs = []
+    for task_id in range(job.num_tasks):
+        task = job.task(task_id)
+        logs.append(
+            f"--- task {task_id} stdout:\n{task.stdout()}\n--- task {task_id} stderr:\n{task.stderr()}"
+        )
+    return "\n".join(logs)
+
+
+@pytest.fixture
+def slurm_results(local_slurm: str) -> Callable[..., list[Any]]:  # noqa: ARG001 - needs the cluster up
+    """``slurm_results(job, timeout_s=120)``: every task's return value, in task order.
+
+    submitit alone would wait forever on a job that died without results (it cannot ask sacct
+    here); this fails the test with the job's logs instead, as soon as a task raised, the job
+    ended in a failed state or the deadline passed (then the job is cancelled).
+    """
+
+    def wait(job: Any, timeout_s: float = 120.0) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        state = "UNKNOWN"
+        while time.monotonic() < deadline:
+            tasks = [job.task(i) for i in range(job.num_tasks)]
+            finished = [task for task in tasks if task.paths.result_pickle.exists()]
+            for task in finished:
+                error = task.exception()
+                if error is not None:
+                    pytest.fail(f"SLURM job {job.job_id} task {task.task_id} raised:\n{error}", pytrace=False)
+            if len(finished) == len(tasks):
+                return job.results()
+            state = _squeue_state(job.job_id)
+            if state in SLURM_FAILED_STATES:
+                pytest.fail(f"SLURM job {job.job_id} ended {state}:\n{_job_logs(job)}", pytrace=False)
+            time.sleep(0.5)
+        job.cancel(check=False)
+        pytest.fail(
+            f"SLURM job {job.job_id} did not finish within {timeout_s}s (last state {state}):\n{_job_logs(job)}",
+            pytrace=False,
+        )
+
+    return wait

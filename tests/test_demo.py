@@ -1,0 +1,436 @@
+"""DeMo on real gloo workers against a dense single-process re-derivation written out here.
+
+The re-derivation simulates W workers with explicit matrices: block-diagonal (Kronecker) DCT
+matrices built from the DCT-II definition, top-k by sorting each block and the receivers'
+values per wire format (both shared with test_dct_codec), the mean over the workers that sent
+each coefficient by explicit counting, and the base transforms from their formulas. Parameters are float64 so that rounding cannot
+flip a sign or a top-k choice, and the comparison can be tight.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lowcomm.comm import Communicator
+from lowcomm.compress.dct import random_orthonormal_basis
+from lowcomm.launch.spawn import spawn_workers
+from lowcomm.models import ModelSpec, build_model
+from lowcomm.optim import DeMo, demo_payload_bytes
+from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
+from test_dct_codec import as_matrix, chunk_by_search, dct_definition, dense_topk
+
+F64 = torch.float64
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# 2-D, non-dividing (chunks 2 x 3), 1-D, 3-D (seen as 4 x 24), short rows (2 < chunk), a prime
+# dimension (chunk 1 along it)
+SHAPES = [(8, 12), (10, 6), (24,), (4, 3, 8), (2, 8), (8, 7)]
+CHUNK, TOPK, STEPS, LR = 4, 3, 10, 0.01
+IGNORE_CHUNK_1 = pytest.mark.filterwarnings("ignore:a dimension of size")
+
+# name -> DeMo keyword arguments (plus "parameter_domain": run the 3-transform path)
+RUNS = {
+    "dct_sign_paper": {"weight_decay": 0.1},
+    "dct_sgd_compact": {"base": "sgd", "wire": "compact", "momentum_subtraction": 0.5},
+    "dct_muon_signwire": {"base": "muon", "wire": "sign", "compression_decay": 0.999},
+    "dct_sgd_parameter_domain": {"base": "sgd", "parameter_domain": True},
+    "identity_sign": {"projection": "identity", "momentum_subtraction": 0.0},
+    "random_sgd": {"projection": "random", "base": "sgd", "momentum_subtraction": 0.7, "weight_decay": 0.05},
+}
+DEFAULTS = {
+    "compression_decay": 0.9,
+    "weight_decay": 0.0,
+    "momentum_subtraction": 1.0,
+    "projection": "dct",
+    "base": "sign",
+    "wire": "paper",
+}
+
+
+# ------------------------------------------------------------------ inputs
+def initial_params(dtype=F64) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=F64).to(dtype)) for shape in SHAPES
+    ]
+
+
+def gradient(rank: int, step: int, index: int, dtype=F64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10_000 * rank + 100 * step + index)
+    return torch.randn(SHAPES[index], generator=generator, dtype=F64).to(dtype)
+
+
+def make_demo(params, overrides: dict, comm: Communicator | None = None, **extra) -> DeMo:
+    options = {"compression_topk": TOPK, "compression_chunk": CHUNK, **DEFAULTS, **overrides, **extra}
+    parameter_domain = options.pop("parameter_domain", False)
+    optimizer = DeMo(params, lr=LR, comm=comm, **options)
+    if parameter_domain:
+        optimizer._momentum_in_coefficients = False
+    return optimizer
+
+
+def run_steps(optimizer: DeMo, params, rank: int, steps: range) -> list[list[torch.Tensor]]:
+    history = []
+    for step in steps:
+        for index, param in enumerate(params):
+            param.grad = gradient(rank, step, index, param.dtype)
+        optimizer.step()
+        history.append([param.detach().clone() for param in params])
+    return history
+
+
+# --------------------------------------------------------- the re-derivation
+class DenseProjection:
+    """P(M) = L M R^T with block-diagonal L, R of one basis per chunk (identity for chunk 1)."""
+
+    def __init__(self, shape, projection: str, step: int):
+        rows, cols = as_matrix(torch.empty(shape)).shape
+        c0, c1 = chunk_by_search(rows, CHUNK), chunk_by_search(cols, CHUNK)
+        self.left = torch.kron(torch.eye(rows // c0, dtype=F64), self._basis(c0, projection, step))
+        self.right = torch.kron(torch.eye(cols // c1, dtype=F64), self._basis(c1, projection, step))
+
+    @staticmethod
+    def _basis(size: int, projection: str, step: int) -> torch.Tensor:
+        if size == 1 or projection == "identity":
+            return torch.eye(size, dtype=F64)
+        if projection == "dct":
+            return dct_definition(size)
+        # documented: seeded by the step (so all workers share it), a new basis every step
+        return random_orthonormal_basis(size, seed=1_000_003 * step + size, dtype=F64)
+
+    def forward(self, matrix):
+        return self.left @ matrix @ self.right.T
+
+    def inverse(self, coefficients):
+        return self.left.T @ coefficients @ self.right
+
+
+def newton_schulz_quintic(matrix):
+    x = matrix / (matrix.norm() + 1e-7)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if tall else x
+
+
+def reference_run(world: int, options: dict, steps: int = STEPS) -> list[list[torch.Tensor]]:
+    """W simulated workers; returns the (shared) parameters after every step."""
+    options = {**DEFAULTS, **options}
+    decay, alpha, wd = options["compression_decay"], options["momentum_subtraction"], options["weight_decay"]
+    params = [as_matrix(p.detach().clone()) for p in initial_params()]
+    momenta = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    history = []
+    for step in range(steps):
+        for index, param in enumerate(params):
+            projection = DenseProjection(SHAPES[index], options["projection"], step + 1)
+            param.mul_(1 - LR * wd)
+            sums, counts = torch.zeros_like(param), torch.zeros_like(param)
+            for rank in range(world):
+                momentum = momenta[rank][index]
+                momentum.mul_(decay).add_(LR * as_matrix(gradient(rank, step, index)))
+                sent, mask = dense_topk(projection.forward(momentum), CHUNK, TOPK, options["wire"])
+                momentum.sub_(alpha * projection.inverse(sent))
+                sums += sent
+                counts += mask
+            update = projection.inverse(sums / counts.clamp(min=1))
+            if options["base"] == "sign":
+                update = torch.sign(update)
+            elif options["base"] == "muon":
+                update = newton_schulz_quintic(update)
+            param.sub_(LR * update)
+        history.append([p.reshape(shape).clone() for p, shape in zip(params, SHAPES, strict=True)])
+    return history
+
+
+def portable(results) -> bytes:
+    """Tensors leave a worker as bytes: a queue would pass shared-memory handles that die with it."""
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    return buffer.getvalue()
+
+
+def spawn(fn, world: int, *args) -> list:
+    return [torch.load(io.BytesIO(blob)) for blob in spawn_workers(fn, world, *args)]
+
+
+def assert_close_relative(actual, expected, tolerance, where=""):
+    error = (actual - expected).norm() / expected.norm()
+    assert error <= tolerance, f"{where}: relative error {error:.3e} > {tolerance}"
+
+
+# --------------------------------------------------------------- W = 2 runs
+def _compare_worker(rank: int, world: int, runs: dict) -> bytes:  # noqa: ARG001 - spawn_workers' signature
+    warnings.filterwarnings("ignore", message="a dimension of size")  # the (8, 7) parameter
+    results = {}
+    for name, overrides in runs.items():
+        params = initial_params()
+        optimizer = make_demo(params, overrides)
+        results[name] = run_steps(optimizer, params, rank, range(STEPS))
+    return portable(results)
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return spawn(_compare_worker, 2, RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_matches_dense_rederivation_on_two_workers(two_workers, name):
+    expected = reference_run(2, {k: v for k, v in RUNS[name].items() if k != "parameter_domain"})
+    for step in range(STEPS):
+        for index, shape in enumerate(SHAPES):
+            on_rank0, on_rank1 = two_workers[0][name][step][index], two_workers[1][name][step][index]
+            assert torch.equal(on_rank0, on_rank1), f"ranks differ: {name} step {step} param {shape}"
+            assert_close_relative(on_rank0, expected[step][index], 1e-9, f"{name} step {step} param {shape}")
+
+
+# --------------------------------------------------------------- W = 4 bytes
+def expected_payload_bytes(wire: str, value_bytes: int = 4) -> tuple[int, int]:
+    """(bytes, tensors) one worker sends per step for SHAPES, from the wire formats' definitions."""
+    total = 0
+    for shape in SHAPES:
+        rows, cols = as_matrix(torch.empty(shape)).shape
+        c0, c1 = chunk_by_search(rows, CHUNK), chunk_by_search(cols, CHUNK)
+        blocks = (rows // c0) * (cols // c1)
+        kept = blocks * min(TOPK, c0 * c1)
+        if wire == "paper":
+            total += kept * (8 + value_bytes)
+        elif wire == "compact":
+            total += kept * (2 + 2)
+        else:
+            total += kept * 2 + math.ceil(kept / 8) + blocks * 2
+    return total, len(SHAPES) * (3 if wire == "sign" else 2)
+
+
+def _bytes_worker(rank: int, world: int) -> bytes:  # noqa: ARG001
+    warnings.filterwarnings("ignore", message="a dimension of size")
+    results = {}
+    for wire in ("paper", "compact", "sign"):
+        comm = Communicator()
+        params = initial_params(torch.float32)
+        optimizer = make_demo(params, {"wire": wire}, comm=comm)
+        history = run_steps(optimizer, params, rank, range(2))
+        breakdown = comm.meter.breakdown(cumulative=False)["data/world/all_gather"]
+        results[wire] = {"step": comm.meter.end_step(), "calls": breakdown["calls"], "history": history}
+    return portable(results)
+
+
+@pytest.mark.slow
+@IGNORE_CHUNK_1
+def test_payload_bytes_of_a_four_worker_run_match_the_wire_formats():
+    results = spawn(_bytes_worker, 4)
+    for wire in ("paper", "compact", "sign"):
+        payload, tensors = expected_payload_bytes(wire)
+        assert demo_payload_bytes(SHAPES, chunk=CHUNK, topk=TOPK, wire=wire) == payload
+        for rank, result in enumerate(results):
+            metrics = result[wire]["step"]  # two optimizer steps in one meter step
+            assert metrics["comm/payload_bytes"] == 2 * payload, (wire, rank)
+            assert metrics["comm/tx_bytes"] == 2 * payload
+            assert metrics["comm/rx_bytes"] == 2 * 3 * payload
+            assert result[wire]["calls"] == 2 * tensors  # one all-gather per payload tensor
+            for step in range(2):
+                for index in range(len(SHAPES)):
+                    assert torch.equal(
+                        result[wire]["history"][step][index], results[0][wire]["history"][step][index]
+                    )
+
+
+# --------------------------------------------------------------- W = 1, in process
+@IGNORE_CHUNK_1
+def test_single_process_matches_rederivation_and_meters_payload():
+    params = initial_params()
+    optimizer = make_demo(params, {"base": "sgd"})
+    assert optimizer.comm.world_size == 1
+    history = run_steps(optimizer, params, 0, range(3))
+    expected = reference_run(1, {"base": "sgd"}, steps=3)
+    for step in range(3):
+        for index in range(len(SHAPES)):
+            assert_close_relative(history[step][index], expected[step][index], 1e-9)
+    metrics = optimizer.comm.meter.end_step()
+    assert metrics["comm/payload_bytes"] == 3 * expected_payload_bytes("paper", value_bytes=8)[0]
+    assert metrics["comm/tx_bytes"] == metrics["comm/rx_bytes"] == 0
+
+
+@IGNORE_CHUNK_1
+@pytest.mark.parametrize("parameter_domain", [False, True])
+def test_keeping_every_coefficient_sends_the_whole_momentum(parameter_domain):
+    params = initial_params()
+    optimizer = make_demo(
+        params, {"base": "sgd", "parameter_domain": parameter_domain}, compression_topk=CHUNK * CHUNK
+    )
+    before = [p.detach().clone() for p in params]
+    for step in range(2):
+        for index, param in enumerate(params):
+            param.grad = gradient(0, step, index)
+        optimizer.step()
+        for index, param in enumerate(params):
+            # all of delta = lr g is sent and removed, so the update is lr * (lr g)
+            before[index] -= LR * LR * gradient(0, step, index)
+            torch.testing.assert_close(param.detach(), before[index], rtol=0, atol=1e-14)
+            momentum = next(v for k, v in optimizer.state[param].items() if k.startswith("momentum"))
+            assert momentum.abs().max() <= 1e-15
+
+
+@IGNORE_CHUNK_1
+@pytest.mark.parametrize("projection", ["dct", "identity"])
+@pytest.mark.parametrize("base", ["sign", "sgd", "muon"])
+def test_coefficient_domain_momentum_equals_parameter_domain_path(projection, base):
+    runs = {}
+    for parameter_domain in (False, True):
+        params = initial_params()
+        optimizer = make_demo(
+            params, {"projection": projection, "base": base, "parameter_domain": parameter_domain}
+        )
+        runs[parameter_domain] = (run_steps(optimizer, params, 0, range(6)), optimizer, params)
+    for step in range(6):
+        for index in range(len(SHAPES)):
+            assert_close_relative(runs[False][0][step][index], runs[True][0][step][index], 1e-12)
+    # the stored momenta are the same momentum in two domains
+    (_, fused, fused_params), (_, plain, plain_params) = runs[False], runs[True]
+    for index, (p_fused, p_plain) in enumerate(zip(fused_params, plain_params, strict=True)):
+        momentum = plain.state[p_plain]["momentum"]
+        if projection == "dct":
+            assert set(fused.state[p_fused]) == {"step", "momentum_dct"}
+            momentum = DenseProjection(SHAPES[index], "dct", 0).forward(as_matrix(momentum))
+            assert_close_relative(as_matrix(fused.state[p_fused]["momentum_dct"]), momentum, 1e-12)
+        else:
+            assert_close_relative(fused.state[p_fused]["momentum"], momentum, 1e-12)
+
+
+def _roundtrip(optimizer: DeMo) -> dict:
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+@IGNORE_CHUNK_1
+@pytest.mark.parametrize("overrides", [{}, {"projection": "random", "base": "muon", "wire": "compact"}])
+def test_state_dict_round_trip_continues_identically(overrides):
+    params = initial_params(torch.float32)
+    optimizer = make_demo(params, overrides)
+    run_steps(optimizer, params, 0, range(3))
+    saved_params, saved_state = [p.detach().clone() for p in params], _roundtrip(optimizer)
+
+    resumed_params = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    resumed = make_demo(resumed_params, overrides)
+    resumed.load_state_dict(saved_state)
+    fresh_params = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    fresh = make_demo(fresh_params, overrides)  # no momentum: must diverge
+
+    expected = run_steps(optimizer, params, 0, range(3, 6))
+    got = run_steps(resumed, resumed_params, 0, range(3, 6))
+    without_state = run_steps(fresh, fresh_params, 0, range(3, 6))
+    for step in range(3):
+        for index in range(len(SHAPES)):
+            assert torch.equal(got[step][index], expected[step][index])
+    assert not all(torch.equal(a, b) for a, b in zip(without_state[-1], expected[-1], strict=True))
+
+
+@IGNORE_CHUNK_1
+def test_checkpoint_from_the_parameter_domain_resumes_in_the_coefficient_domain():
+    params = initial_params()
+    plain = make_demo(params, {"base": "sgd", "parameter_domain": True})
+    run_steps(plain, params, 0, range(3))
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = make_demo(resumed_params, {"base": "sgd"})
+    resumed.load_state_dict(_roundtrip(plain))
+    expected = run_steps(plain, params, 0, range(3, 6))
+    got = run_steps(resumed, resumed_params, 0, range(3, 6))
+    for index in range(len(SHAPES)):
+        assert_close_relative(got[-1][index], expected[-1][index], 1e-12)
+    assert "momentum_dct" in resumed.state[resumed_params[0]]
+
+
+def test_parameters_without_gradient_are_left_alone():
+    used, unused = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+    before = unused.detach().clone()
+    optimizer = DeMo([used, unused], lr=0.1, compression_chunk=4)
+    used.grad = torch.randn(8, 8)
+    optimizer.step()
+    assert torch.equal(unused, before) and unused not in optimizer.state
+
+
+def test_rejects_bad_arguments():
+    param = [torch.nn.Parameter(torch.zeros(4, 4))]
+    for bad in (
+        {"compression_decay": 1.0},
+        {"momentum_subtraction": 1.5},
+        {"projection": "fft"},
+        {"base": "adam"},
+        {"weight_decay": -1.0},
+        {"compression_topk": 0},
+    ):
+        with pytest.raises(ValueError):
+            DeMo(param, lr=0.1, **bad)
+
+
+# ------------------------------------------------------------ paper's table
+def _olmo_shapes(d_model: int, n_heads: int) -> list[torch.Size]:
+    spec = ModelSpec(
+        name=f"olmo_d{d_model}",
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=16,
+        mlp_ratio=8,
+        max_sequence_length=2048,
+        tokenizer="allenai_gpt-neox-olmo-dolma-v1_5",
+        vocab_size=50280,
+        embedding_size=50304,
+        eos_token_id=50279,
+        pad_token_id=1,
+    )
+    return [p.shape for p in build_model(spec, "meta").parameters()]
+
+
+def test_analytic_bytes_reproduce_the_papers_table():
+    olmo_1b, olmo_300m = _olmo_shapes(2048, 16), _olmo_shapes(1024, 8)
+    assert sum(math.prod(s) for s in olmo_1b) == 1_176_764_416
+    assert demo_payload_bytes(olmo_1b, chunk=64, topk=32) == 110_321_664  # 110.32 MB
+    assert round(demo_payload_bytes(olmo_1b, chunk=64, topk=16) / 1e6, 2) == 55.16
+    assert round(demo_payload_bytes(olmo_1b, chunk=128, topk=32) / 1e6, 2) == 27.58
+    # the paper truncates: 29.995 MB is printed 29.9
+    assert math.floor(demo_payload_bytes(olmo_300m, chunk=64, topk=32) / 1e5) / 10 == 29.9
+    assert math.floor(demo_payload_bytes(olmo_300m, chunk=64, topk=1) / 1e4) / 100 == 0.93
+    assert demo_payload_bytes(olmo_1b, chunk=64, topk=32, wire="compact") * 3 == 110_321_664
+
+
+# ------------------------------------------------------------------- strategy
+def test_strategy_config_matches_the_yaml_and_compression_overrides():
+    fields = OmegaConf.to_container(OmegaConf.load(CONFIGS / "optimizer" / "demo.yaml"))
+    assert fields.pop("name") == "demo"
+    config = DeMoConfig(**fields)
+    assert config == DeMoConfig() and config.validate() == []
+    assert (config.lr, config.compression_topk, config.compression_chunk, config.wire) == (
+        4e-4,
+        32,
+        64,
+        "paper",
+    )
+    assert DeMoConfig(projection="fft", compression_decay=1.0).validate() == [
+        "optimizer.compression_decay must be in [0, 1), got 1.0",
+        "optimizer.projection must be one of dct, random, identity, got 'fft'",
+    ]
+
+    model = torch.nn.Linear(64, 128, bias=False)
+    codec_group = OmegaConf.to_container(OmegaConf.load(CONFIGS / "compression" / "dct_topk.yaml"))
+    for compression, expected in (
+        ({"name": "none"}, (64, 32, "paper")),
+        ({**codec_group, "topk": 4, "wire": "sign"}, (64, 4, "sign")),
+    ):
+        strategy = DeMoStrategy(config, compression, Communicator())
+        wrapped, optimizer = strategy.build(model)
+        assert wrapped is model and isinstance(optimizer, DeMo)
+        assert (optimizer.codec.chunk, optimizer.codec.topk, optimizer.codec.wire) == expected
+        assert strategy.analytic_payload_bytes(model) == optimizer.codec.payload_nbytes((128, 64))
+    assert DeMoStrategy.replicated_optimizer_state is False
+    assert DeMoStrategy.accepts_compression == ("none", "dct_topk")

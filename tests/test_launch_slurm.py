@@ -1,0 +1,230 @@
+"""lowcomm.launch.slurm: cluster profile -> submitit executor, and rank discovery inside a task.
+
+The first tests need no SLURM (profile validation and translation); the ``slurm`` ones submit to
+the local cluster and check what the tasks actually saw, including a preemption and requeue.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lowcomm.config import ClusterSpec
+from lowcomm.launch.slurm import (
+    SlurmProfile,
+    _gpu_for_local_rank,
+    make_executor,
+    setup_distributed_from_slurm,
+    slurm_profile,
+    submitit_parameters,
+)
+from lowcomm.launch.slurm_probe import RequeueProbe, distributed_env_probe
+
+PROFILE_64_GPUS = {
+    "nodes": 8,
+    "tasks_per_node": 8,
+    "gpus_per_node": 8,
+    "cpus_per_task": 12,
+    "mem_gb": 480,
+    "timeout_min": 1440,
+    "partition": "gpu",
+    "account": "lowcomm",
+    "qos": None,
+    "signal": "SIGUSR2",
+    "signal_delay_s": 180,
+    "max_requeues": 5,
+    "setup": ["module load cuda/12.4"],
+    "additional_parameters": {"exclusive": True},
+}
+
+# Two CPU tasks on the local cluster's single node, partition left to the environment.
+LOCAL_PROFILE = {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1, "timeout_min": 5, "partition": None}
+
+
+def test_profile_becomes_update_parameters():
+    environ = {"LOWCOMM_SLURM_QOS": "high", "LOWCOMM_SLURM_PARTITION": "not-this-one"}
+
+    parameters = submitit_parameters(PROFILE_64_GPUS, job_name="demo_1b", environ=environ)
+
+    assert parameters == {
+        "nodes": 8,
+        "tasks_per_node": 8,
+        "gpus_per_node": 8,
+        "cpus_per_task": 12,
+        "mem_gb": 480,
+        "timeout_min": 1440,
+        "name": "demo_1b",
+        "slurm_partition": "gpu",  # the profile wins over the environment
+        "slurm_account": "lowcomm",
+        "slurm_qos": "high",  # unset in the profile: from the environment
+        "slurm_signal_delay_s": 180,
+        "slurm_additional_parameters": {"exclusive": True, "signal": "USR2@180"},
+        "slurm_setup": ["export SUBMITIT_PREEMPT_SIGNAL=USR2", "module load cuda/12.4"],
+    }
+
+
+def test_unset_resources_are_left_to_the_cluster():
+    parameters = submitit_parameters({"partition": None, "mem_gb": None, "gpus_per_node": 0}, environ={})
+
+    for key in ("slurm_partition", "slurm_account", "slurm_qos", "mem_gb", "gpus_per_node", "name"):
+        assert key not in parameters
+
+
+def test_executor_carries_the_profile(tmp_path):
+    executor = make_executor(tmp_path, PROFILE_64_GPUS, job_name="demo_1b", environ={})
+
+    # SlurmExecutor's own names, i.e. what becomes the #SBATCH lines.
+    sbatch = executor.parameters
+    assert sbatch["nodes"] == 8
+    assert sbatch["ntasks_per_node"] == 8
+    assert sbatch["gpus_per_node"] == 8
+    assert sbatch["cpus_per_task"] == 12
+    assert sbatch["mem"] == "480GB"
+    assert sbatch["time"] == 1440
+    assert sbatch["partition"] == "gpu"
+    assert sbatch["account"] == "lowcomm"
+    assert "qos" not in sbatch
+    assert sbatch["job_name"] == "demo_1b"
+    assert sbatch["additional_parameters"] == {"exclusive": True, "signal": "USR2@180"}
+    # Taken by the constructor, not by update_parameters; no public accessor.
+    assert executor._executor.max_num_timeout == 5
+
+
+def test_profile_accepts_hydra_containers():
+    omegaconf = pytest.importorskip("omegaconf")
+    config = omegaconf.OmegaConf.create(PROFILE_64_GPUS)
+
+    assert slurm_profile(config) == slurm_profile(PROFILE_64_GPUS)
+    assert slurm_profile(config).setup == ("module load cuda/12.4",)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"nodes": 0}, "cluster.nodes"),
+        ({"tasks_per_node": 2.0}, "cluster.tasks_per_node"),
+        ({"cpus_per_task": True}, "cluster.cpus_per_task"),
+        ({"tasks_per_node": 4}, "must equal cluster.gpus_per_node"),
+        ({"signal_delay_s": 1440 * 60}, "shorter than the time limit"),
+        ({"signal": "TERM"}, "catchable signal"),
+        ({"signal": "USR3"}, "catchable signal"),
+        ({"mem_gb": -1}, "cluster.mem_gb"),
+        ({"partition": ""}, "cluster.partition"),
+        ({"setup": "module load cuda"}, "cluster.setup"),
+        ({"additional_parameters": {"signal": "USR1@60"}}, "not additional_parameters.signal"),
+    ],
+)
+def test_invalid_profiles_are_rejected_by_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        slurm_profile({**PROFILE_64_GPUS, **override})
+
+
+def test_cluster_spec_is_read_for_its_slurm_fields():
+    cluster = ClusterSpec(launcher="slurm", nodes=2, tasks_per_node=4, gpus_per_node=4, mem_gb=0)
+
+    profile = slurm_profile(cluster)
+
+    assert (profile.nodes, profile.tasks_per_node, profile.gpus_per_node) == (2, 4, 4)
+    # 0 is SLURM's "all the memory of the node", passed on as such.
+    assert submitit_parameters(cluster, environ={})["mem_gb"] == 0
+
+
+def test_world_size():
+    assert SlurmProfile(**{**PROFILE_64_GPUS, "setup": ()}).world_size == 64
+
+
+@pytest.mark.parametrize(
+    ("allocated", "local_rank", "local_world_size", "expected"),
+    [
+        (None, 3, 8, "3"),  # GPUs not managed by SLURM: node-wide numbering
+        ("4,5,6,7", 2, 4, "6"),  # half a node without device cgroups
+        ("0,1,2,3,4,5,6,7", 7, 8, "7"),
+        ("5", 0, 1, "5"),  # already bound to one GPU
+        ("", 1, 2, ""),  # no GPU at all
+    ],
+)
+def test_each_rank_sees_its_own_gpu(allocated, local_rank, local_world_size, expected):
+    assert _gpu_for_local_rank(allocated, local_rank, local_world_size) == expected
+
+
+def test_gpu_list_that_does_not_match_the_ranks_is_an_error():
+    with pytest.raises(RuntimeError, match="one rank per GPU"):
+        _gpu_for_local_rank("0,1,2,3", 0, 2)
+
+
+def test_setup_outside_a_job_raises():
+    with pytest.raises(RuntimeError):
+        setup_distributed_from_slurm()
+
+
+def test_setup_distributed_inside_local_submitit_tasks(tmp_path, monkeypatch):
+    # submitit's local executor: the same task-side code path, no SLURM needed.
+    monkeypatch.setenv("RANK", "99")
+    executor = make_executor(tmp_path, LOCAL_PROFILE, cluster="local")
+
+    results = executor.submit(distributed_env_probe).results()
+
+    assert [seen["returned"] for seen in results] == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    assert [seen["environ"]["RANK"] for seen in results] == ["0", "1"]
+    # The local executor hides GPUs when none are requested; an empty list stays empty.
+    assert [seen["cuda_visible_devices"] for seen in results] == ["", ""]
+
+
+@pytest.mark.slurm
+def test_setup_distributed_inside_slurm_tasks(slurm_results, tmp_path, monkeypatch):
+    # sbatch hands the submitting environment to the job: stale torchrun variables must be
+    # replaced, and a GPU list (what SLURM sets for a GPU job) must be split between the ranks.
+    monkeypatch.setenv("LOWCOMM_SLURM_PARTITION", "debug")
+    monkeypatch.setenv("RANK", "99")
+    monkeypatch.setenv("WORLD_SIZE", "99")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    executor = make_executor(tmp_path / "%j", LOCAL_PROFILE, job_name="env_probe")
+
+    job = executor.submit(distributed_env_probe)
+    results = slurm_results(job)
+
+    assert "#SBATCH --partition=debug" in job.paths.submission_file.read_text()
+    for task_id, seen in enumerate(results):
+        assert seen["slurm_procid"] == seen["slurm_localid"] == str(task_id)
+        assert seen["returned"] == (task_id, 2, task_id, 2)  # rank, world, local rank, local world
+        environ = seen["environ"]
+        assert environ["RANK"] == str(task_id)
+        assert environ["WORLD_SIZE"] == "2"
+        assert environ["LOCAL_RANK"] == str(task_id)
+        assert environ["LOCAL_WORLD_SIZE"] == "2"
+        assert environ["MASTER_ADDR"] == socket.gethostname().split(".")[0]
+        assert seen["cuda_visible_devices"] == ["4", "5"][task_id]
+    assert results[0]["environ"]["MASTER_PORT"] == results[1]["environ"]["MASTER_PORT"]
+
+
+def _wait_for_files(paths: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(path.exists() for path in paths):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the job did not start within {timeout_s}s: missing {paths}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slurm
+def test_preempted_job_is_requeued_under_the_profile_signal(slurm_results, tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    # USR1 rather than submitit's default USR2: the sbatch --signal and the handler must agree.
+    profile = {**LOCAL_PROFILE, "partition": "debug", "signal": "USR1", "signal_delay_s": 30}
+    job = make_executor(tmp_path / "%j", profile).submit(RequeueProbe(str(markers)))
+    # Every task has installed submitit's handler once it runs the probe.
+    _wait_for_files([markers / "started_0_0", markers / "started_0_1"], timeout_s=120)
+
+    # What SLURM does signal_delay_s before a preemption kill (`--signal` without `B:`).
+    subprocess.run(["scancel", "--signal=USR1", job.job_id], check=True)
+    results = slurm_results(job, timeout_s=150)
+
+    assert [result["procid"] for result in results] == [0, 1]
+    for result in results:
+        assert result["job_id"] == job.job_id  # requeued, not resubmitted
+        assert result["restart_count"] == 1
+        assert result["preempt_signal"] == "USR1"
