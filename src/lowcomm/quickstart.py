@@ -1,7 +1,10 @@
-"""The main job (``make quickstart``): run ``sweeps/quickstart.yaml`` on this machine, then
-print the comparison table and write it with the loss plots to ``results/quickstart/``.
+"""The main job (``make quickstart``): train every run of ``sweeps/quickstart.yaml`` on this
+machine, evaluate each final checkpoint on HellaSwag / ARC-Easy / PIQA (a few documents each),
+then print the comparison table and write it with the figures to ``results/quickstart/``:
+``summary.md`` / ``summary.csv``, ``loss_vs_step.png``, ``loss_vs_cum_MB.png`` (the paper's
+Figure 2) and ``loss_vs_mb.png`` (its Figure 4: final loss against MB/step, Pareto front).
 
-    python -m lowcomm.quickstart [--sweep quickstart] [--out results/quickstart] [extra overrides...]
+    python -m lowcomm.quickstart [--sweep quickstart] [--eval-limit 20] [extra overrides...]
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from pathlib import Path
 from lowcomm.config import ConfigError, repo_root, validate
 from lowcomm.launch.local import WorkerFailure, launch_local
 from lowcomm.launch.sweep import load_sweep
-from lowcomm.report.figures import plot_loss_curves
+from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.runs import load_run
-from lowcomm.report.tables import markdown_table, summary_rows, write_csv
+from lowcomm.report.tables import markdown_table, summary_columns, summary_rows, write_csv
 from lowcomm.train.cli import compose
 
 
@@ -25,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="quickstart")
     parser.add_argument("--out", type=Path, default=None, help="default: results/<sweep>/")
+    parser.add_argument("--eval-limit", type=int, default=20,
+                        help="documents per benchmark task (0 skips the evaluation)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args(argv)
     sweep = load_sweep(args.sweep)
@@ -48,16 +53,34 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     training_s = time.perf_counter() - started
 
+    eval_s = 0.0
+    if args.eval_limit > 0:
+        from lowcomm.eval.cli import main as eval_main
+
+        print(f"\n[quickstart] evaluating {len(runs)} final checkpoints, {args.eval_limit} documents per task",
+              flush=True)
+        started = time.perf_counter()
+        if eval_main([*(str(run.run_dir) for run in runs), "--limit", str(args.eval_limit)]) != 0:
+            print("quickstart: evaluation failed (see above)", file=sys.stderr)
+            return 1
+        eval_s = time.perf_counter() - started
+
     records = [load_run(run.run_dir) for run in runs]
     rows = summary_rows(records)
-    table = markdown_table(rows)
+    columns = summary_columns(rows)
+    table = markdown_table(rows, columns)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.md").write_text(table + "\n")
-    write_csv(rows, out_dir / "summary.csv")
-    figures = plot_loss_curves(records, out_dir, title=f"tiny OLMo, synthetic corpus, {runs[0].world_size} workers",
-                               formats=("png",))
-    print(f"\n[quickstart] trained {len(runs)} runs in {training_s:.0f} s\n")
+    write_csv(rows, out_dir / "summary.csv", columns)
+    title = f"tiny OLMo, synthetic corpus, {runs[0].world_size} workers"
+    figures = plot_loss_curves(records, out_dir, title=title, formats=("png",))
+    figures += plot_loss_vs_mb(records, out_dir, title=title, formats=("png",))[0]
+    print(f"\n[quickstart] trained {len(runs)} runs in {training_s:.0f} s"
+          + (f", evaluated them in {eval_s:.0f} s" if eval_s else "") + "\n")
     print(table)
+    if eval_s:
+        print(f"\nBenchmarks: zero-shot on the first {args.eval_limit} documents of each task (ARC-Easy on its "
+              "validation split; the tiny model is expected near chance).")
     print(f"\ntable:   {out_dir / 'summary.md'} (and summary.csv)")
     for path in figures:
         print(f"figure:  {path}")

@@ -6,14 +6,13 @@ directory is complete when its ``manifest.json`` exists: the training loop write
 every file it lists (name -> size in bytes), and only then renames the directory into place.
 ``model.pt`` is always the full, unsharded fp32 model ``state_dict``.
 
-This reader deliberately does not import ``lowcomm.train`` (evaluation reads run directories,
-it never depends on the training loop); it follows the same layout conventions.
+The layout itself (step directory names, the manifest check) is read through
+:mod:`lowcomm.train.checkpoint`, the one place it is defined; that module does not import the
+training loop.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +20,14 @@ from pathlib import Path
 import torch
 
 from lowcomm.models import ModelSpec, build_model
+from lowcomm.train.checkpoint import MANIFEST as MANIFEST_FILE
+from lowcomm.train.checkpoint import CheckpointError, list_checkpoints, step_dir_name, verify_files
+
+__all__ = ["CheckpointError", "step_dir_name"]
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
-MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.pt"
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
-class CheckpointError(RuntimeError):
-    """A run directory or checkpoint that cannot be evaluated; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -46,11 +43,6 @@ class Checkpoint:
         return self.path / MODEL_FILE
 
 
-def step_dir_name(step: int) -> str:
-    """``step_000000100``: the name shared by checkpoint directories and eval result files."""
-    return f"step_{step:09d}"
-
-
 def list_complete_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     """The run's complete checkpoints (those with a manifest), oldest first.
 
@@ -58,15 +50,9 @@ def list_complete_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     (a save interrupted before the rename, or a copy still in flight) are skipped.
     """
     run_dir = Path(run_dir)
-    root = run_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir() and (entry / MANIFEST_FILE).is_file():
-            found.append(Checkpoint(run_dir=run_dir, step=int(match.group(1)), path=entry))
-    return sorted(found, key=lambda checkpoint: checkpoint.step)
+    found = [Checkpoint(run_dir=run_dir, step=int(entry.name.split("_")[1]), path=entry)
+             for entry in list_checkpoints(run_dir / CHECKPOINTS_DIR) if (entry / MANIFEST_FILE).is_file()]
+    return found[::-1]
 
 
 def select_checkpoints(
@@ -120,24 +106,8 @@ def load_model_spec(run_dir: str | Path) -> ModelSpec:
 
 def verify_manifest(checkpoint: Checkpoint, required: Sequence[str] = (MODEL_FILE,)) -> dict:
     """The parsed manifest, after checking that the ``required`` files are listed, present and of
-    the recorded size (a truncated copy is caught before unpickling it)."""
-    manifest_path = checkpoint.path / MANIFEST_FILE
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path} is missing or corrupt: {exc!r}") from exc
-    for name in required:
-        path = checkpoint.path / name
-        if name not in files:
-            raise CheckpointError(f"{manifest_path} does not list {name}")
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing")
-        if path.stat().st_size != files[name]:
-            raise CheckpointError(
-                f"{path} is truncated or altered: {path.stat().st_size} bytes, the manifest says {files[name]}"
-            )
-    return manifest
+    the recorded size."""
+    return verify_files(checkpoint.path, only=tuple(required))
 
 
 def load_checkpoint_model(

@@ -5,22 +5,39 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from lowcomm.report.evals import task_score
 from lowcomm.report.runs import RunRecord
 
 SUMMARY_COLUMNS = [
     ("run", "label"), ("final val loss", "final_val_loss"), ("Bayes floor", "bayes_floor"),
     ("payload MB/step", "payload_MB_per_step"), ("tokens/s", "tokens_per_s"), ("steps", "steps"),
 ]
+# The paper's zero-shot metric of each benchmark, as Table 1 reports it.
+BENCHMARK_COLUMNS = [("HellaSwag acc_n", "hellaswag", "acc_norm"), ("ARC-Easy acc", "arc_easy", "acc"),
+                     ("PIQA acc_n", "piqa", "acc_norm")]
 
 
 def summary_rows(runs: list[RunRecord]) -> list[dict]:
+    """One row per finished run: its summary.json and, if it was evaluated, the latest scores."""
     rows = []
     for run in runs:
         if run.summary is None:
             continue
         row = {"label": run.label, **run.summary}
+        if run.evals:
+            latest = run.evals[max(run.evals)]
+            for _, task, metric in BENCHMARK_COLUMNS:
+                score = task_score(latest, task, metric)
+                row[f"{task}_{metric}"] = score.value if score else None
         rows.append(row)
     return rows
+
+
+def summary_columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """The summary columns, plus the benchmark columns when any row has scores."""
+    benchmarks = [(title, f"{task}_{metric}") for title, task, metric in BENCHMARK_COLUMNS
+                  if any(row.get(f"{task}_{metric}") is not None for row in rows)]
+    return SUMMARY_COLUMNS + benchmarks
 
 
 def _fmt(value) -> str:

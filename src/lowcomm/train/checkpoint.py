@@ -13,6 +13,9 @@ the manifest and renames the directory: a directory named ``step_*`` with a mani
 complete. On resume every rank checks the newest candidate (manifest, every file present with
 its recorded size, every file loadable); if any rank finds a problem the error names the file
 and all ranks fall back to the previous checkpoint together.
+
+This module is also the one reader of the layout for tools that only read run directories
+(``lowcomm.eval``); it does not import the training loop.
 """
 
 from __future__ import annotations
@@ -52,16 +55,23 @@ def list_checkpoints(checkpoint_root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.split("_")[1]), reverse=True)
 
 
-def verify_files(directory: Path) -> dict:
-    """Check the manifest and every file it lists; return the manifest or raise naming the file."""
+def verify_files(directory: Path, only: tuple[str, ...] | None = None) -> dict:
+    """Check the manifest and the files it lists (or just ``only``); return the manifest or raise
+    naming the file. Sizes are checked so a truncated copy is caught before unpickling it."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path} is missing (an incomplete checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{manifest_path} is corrupt: {exc}") from exc
-    for name, size in manifest["files"].items():
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path} is corrupt: {exc!r}") from exc
+    for name in only or ():
+        if name not in files:
+            raise CheckpointError(f"{manifest_path} does not list {name}")
+    for name, size in files.items():
+        if only is not None and name not in only:
+            continue
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
