@@ -179,10 +179,12 @@ def test_ddp_workers_stay_identical_and_match_one_process_on_the_whole_batch():
         assert torch.equal(results[0]["params"][name], results[1]["params"][name]), name
         assert not torch.equal(expected, initial[name]), name
         torch.testing.assert_close(results[0]["params"][name], expected, rtol=0, atol=1e-12)
-    gradient_bytes = 8 * count_parameters(model)  # float64 here
-    assert MuonDDP(MuonDDPConfig(), {}, Communicator()).analytic_payload_bytes(model) == gradient_bytes
-    for result in results:
-        assert result["payload_bytes"] == [gradient_bytes] * STEPS
+    for result in results:  # every float64 gradient element once per step
+        assert result["payload_bytes"] == [8 * count_parameters(model)] * STEPS
+    fp32_model = build_model(SPEC, "meta")
+    for wire_dtype, element_bytes in (("float32", 4), ("bfloat16", 2)):
+        strategy = MuonDDP(MuonDDPConfig(wire_dtype=wire_dtype), {}, Communicator())
+        assert strategy.analytic_payload_bytes(fp32_model) == element_bytes * count_parameters(fp32_model)
 
 
 @pytest.mark.slow

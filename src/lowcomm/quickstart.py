@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"quickstart: {exc}", file=sys.stderr)
         return 2
-    print(f"[quickstart] {len(runs)} runs of sweeps/{sweep.name}.yaml, {runs[0].world_size} workers each")
+    print(f"[quickstart] {len(runs)} runs of {sweep.path}, {runs[0].world_size} workers each")
     started = time.perf_counter()
     for index, run in enumerate(runs, 1):
         label = run.raw.get("label") or run.optimizer_name
@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if eval_s:
         print(f"\nBenchmarks: zero-shot on the first {args.eval_limit} documents of each task (ARC-Easy on its "
               "validation split; the tiny model is expected near chance).")
-    print(f"\ntable:   {out_dir / 'summary.md'} (and summary.csv)")
+    print()
+    for name in ("summary.md", "summary.csv"):
+        print(f"table:   {out_dir / name}")
     for path in figures:
         print(f"figure:  {path}")
     print(f"runs:    {Path(runs[0].run_root) / runs[0].experiment}/")

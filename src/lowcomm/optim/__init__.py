@@ -3,5 +3,15 @@
 from lowcomm.optim.demo import DeMo, demo_payload_bytes
 from lowcomm.optim.desloc import DESLoc
 from lowcomm.optim.diloco import DiLoCo, all_gather_payloads
+from lowcomm.optim.grouping import CombinedOptimizer, muon_adamw, split_muon_adamw
 
-__all__ = ["DESLoc", "DeMo", "DiLoCo", "all_gather_payloads", "demo_payload_bytes"]
+__all__ = [
+    "CombinedOptimizer",
+    "DESLoc",
+    "DeMo",
+    "DiLoCo",
+    "all_gather_payloads",
+    "demo_payload_bytes",
+    "muon_adamw",
+    "split_muon_adamw",
+]

@@ -216,6 +216,9 @@ class DiLoCo(torch.optim.Optimizer):
             for target, source in zip(mine or [], saved or [], strict=True):
                 target.copy_(source)
         self.inner.load_state_dict(state_dict["inner"])
+        # torch's load_state_dict gives the inner optimizer new param_group dicts; share them
+        # again so the LR schedule keeps driving the inner lr after a resume.
+        self.param_groups = self.inner.param_groups
         self.local_step = int(state_dict["local_step"])
 
     # ------------------------------------------------------------------ accounting

@@ -42,7 +42,7 @@ Three deliberate differences, none of which changes the averaged gradient:
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,13 +51,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lowcomm.comm import Communicator
 from lowcomm.optim.grouping import ADJUST_LR_FNS, CombinedOptimizer, muon_adamw
-from lowcomm.strategies.base import register
-from lowcomm.strategies.ddp import AdamWDDPConfig, DDPStrategy, metered_allreduce_hook
+from lowcomm.strategies.base import OptimizerConfig, register
+from lowcomm.strategies.ddp import WIRE_DTYPES, AdamWDDPConfig, DDPStrategy, metered_allreduce_hook
 
 
-def dense_gradient_bytes(model: torch.nn.Module) -> int:
-    """Payload of one uncompressed gradient all-reduce: every trainable element once."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+def dense_gradient_bytes(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> int:
+    """Payload of one uncompressed gradient all-reduce: every trainable element once, in
+    ``wire_dtype`` (default: the parameters' own)."""
+    return sum(
+        p.numel() * (wire_dtype.itemsize if wire_dtype is not None else p.element_size())
+        for p in model.parameters()
+        if p.requires_grad
+    )
 
 
 # ---------------------------------------------------------------------------------- Muon-DDP
@@ -90,7 +95,8 @@ class MuonFields:
 @dataclass
 class MuonDDPConfig(MuonFields, AdamWDDPConfig):
     """``configs/optimizer/muon_ddp.yaml``: ``lr`` is Muon's (scaled per matrix by
-    ``adjust_lr_fn``), ``adamw_lr`` AdamW's; ``weight_decay`` applies to both."""
+    ``adjust_lr_fn``), ``adamw_lr`` AdamW's; ``weight_decay`` applies to both; ``wire_dtype``
+    as AdamW-DDP's (the gradients' dtype on the wire)."""
 
     def validate(self) -> list[str]:
         return AdamWDDPConfig.validate(self) + self.muon_errors()
@@ -107,8 +113,8 @@ def build_muon_adamw(cfg: Any, model: torch.nn.Module, params: Iterable[torch.nn
 
 @register
 class MuonDDP(DDPStrategy):
-    """DDP all-reduce of fp32 gradients every step (metered as AdamW-DDP), then Muon on the
-    hidden matrices and AdamW on the rest."""
+    """DDP all-reduce of the gradients every step (AdamW-DDP's metered hook, fp32 or bf16 on
+    the wire), then Muon on the hidden matrices and AdamW on the rest."""
 
     name = "muon_ddp"
     Config = MuonDDPConfig
@@ -117,8 +123,8 @@ class MuonDDP(DDPStrategy):
         return build_muon_adamw(self.cfg, model)
 
     def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
-        """Per step and worker: every gradient element once, in the parameters' dtype."""
-        return dense_gradient_bytes(model)
+        """Per step and worker: every gradient element once, in the wire dtype."""
+        return dense_gradient_bytes(model, WIRE_DTYPES[self.cfg.wire_dtype])
 
 
 # ---------------------------------------------------------------------------------- PowerSGD
@@ -327,10 +333,15 @@ def powersgd_hook(
 
 
 @dataclass
-class PowerSGDConfig(AdamWDDPConfig):
+class PowerSGDConfig(OptimizerConfig):
     """``configs/optimizer/powersgd.yaml``: AdamW on the PowerSGD-averaged gradient; the other
-    fields are ``PowerSGDState``'s (defaults: the DeMo paper's rank 32 and 1000 warm-up steps)."""
+    fields are ``PowerSGDState``'s (defaults: the DeMo paper's rank 32 and 1000 warm-up steps).
+    P, Q and the uncompressed tensors travel in the gradients' dtype."""
 
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
     matrix_approximation_rank: int = 32
     start_powerSGD_iter: int = 1000
     min_compression_rate: float = 2.0
@@ -341,6 +352,10 @@ class PowerSGDConfig(AdamWDDPConfig):
 
     def validate(self) -> list[str]:
         errors = super().validate()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if self.matrix_approximation_rank < 1:
             errors.append(f"optimizer.matrix_approximation_rank must be >= 1, got {self.matrix_approximation_rank}")
         if self.start_powerSGD_iter < 0:

@@ -161,13 +161,15 @@ class Trainer:
                     record["val/bayes_floor"] = self.data.bayes_floor
                 progress.last_val = f" | val {val_loss:.4f}" + (
                     f" (floor {self.data.bayes_floor:.4f})" if self.data.bayes_floor is not None else "")
-            stop = self.should_stop is not None and self.comm.agree(self.should_stop())
+            # A stop request at the last step is moot: the run finishes (and writes its summary).
+            stop = (done < train.max_steps and self.should_stop is not None
+                    and self.comm.agree(self.should_stop()))
             comm_metrics = self.comm.meter.end_step()
             if record:
                 writer.log(done, {**record, **comm_metrics})
                 if "train/loss" in record:
-                    progress.report(step, record["train/loss"], comm_metrics["comm/payload_bytes"] / 1e6,
-                                    comm_metrics["comm/cum_payload_MB"], record["perf/tokens_per_s"])
+                    progress.report(step, record["train/loss"], comm_metrics["comm/cum_payload_MB"],
+                                    record["perf/tokens_per_s"])
             if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps or stop:
                 self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
             if stop:

@@ -72,7 +72,10 @@ class MetricsWriter:
 
 
 class Progress:
-    """``step 120/300 | loss 2.431 | val 2.412 (floor 2.072) | 0.81 MB/step, 97.3 MB | 41.2k tok/s | ETA 0:00:32``"""
+    """``step 120/300 | loss 2.431 | val 2.412 (floor 2.072) | 0.81 MB/step, 97.3 MB sent | 41.2k tok/s | ETA 00:00:32``
+
+    MB/step is the run's average so far (cumulative payload / steps), which is what the
+    comparison between every-step and periodic-sync optimizers needs."""
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool, stream=sys.stdout):
         self.total = total_steps
@@ -82,7 +85,7 @@ class Progress:
         self._s0 = start_step
         self.last_val: str = ""
 
-    def report(self, step: int, loss: float, step_mb: float, cum_mb: float, tokens_per_s: float) -> None:
+    def report(self, step: int, loss: float, cum_mb: float, tokens_per_s: float) -> None:
         if not self.enabled:
             return
         done = step + 1 - self._s0
@@ -90,7 +93,7 @@ class Progress:
         eta = elapsed / max(done, 1) * (self.total - step - 1)
         line = (
             f"step {step + 1:>{len(str(self.total))}}/{self.total} | loss {loss:.4f}{self.last_val} | "
-            f"{step_mb:.3f} MB/step, {cum_mb:,.1f} MB sent | {tokens_per_s / 1e3:.1f}k tok/s | "
+            f"{cum_mb / (step + 1):.3f} MB/step, {cum_mb:,.1f} MB sent | {tokens_per_s / 1e3:.1f}k tok/s | "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
         )
         print(line, file=self.stream, flush=True)
