@@ -245,6 +245,19 @@ def test_schedule_drives_the_inner_lr():
     assert diloco.inner.param_groups[0]["lr"] == pytest.approx(INNER["lr"] / 3)
 
 
+def test_the_schedule_still_drives_the_inner_lr_after_a_resume():
+    from lowcomm.train.schedule import apply_lr
+
+    model = _model()
+    saved = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), sync_every=2)
+    _backward(model, 0, 1)
+    saved.step()
+    resumed = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), sync_every=2)
+    resumed.load_state_dict(saved.state_dict())
+    apply_lr(resumed, 0.25)
+    assert resumed.inner.param_groups[0]["lr"] == pytest.approx(INNER["lr"] / 4)
+
+
 def test_rejects_mismatched_inner_and_feedback_without_codec():
     model, other = _model(), _model()
     with pytest.raises(ValueError, match="exactly the parameters"):
