@@ -6,6 +6,8 @@ the local cluster and check what the tasks actually saw, including a preemption 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from lowcomm.config import ClusterSpec
+from lowcomm.data import materialize
 from lowcomm.launch.slurm import (
+    PreemptionFlag,
     SlurmProfile,
     _gpu_for_local_rank,
     make_executor,
@@ -23,6 +27,8 @@ from lowcomm.launch.slurm import (
     submitit_parameters,
 )
 from lowcomm.launch.slurm_probe import RequeueProbe, distributed_env_probe
+from lowcomm.launch.spawn import spawn_workers
+from runs import tiny_run
 
 PROFILE_64_GPUS = {
     "nodes": 8,
@@ -228,3 +234,55 @@ def test_preempted_job_is_requeued_under_the_profile_signal(slurm_results, tmp_p
         assert result["job_id"] == job.job_id  # requeued, not resubmitted
         assert result["restart_count"] == 1
         assert result["preempt_signal"] == "USR1"
+
+
+# ---------------------------------------------------------------- preemption inside the training loop
+
+
+class _SignalOnRank:
+    """``should_stop`` for a test: on ``rank`` it sends itself the preemption signal at its
+    ``at``-th call (a step boundary), then reads the PreemptionFlag like a SLURM task does."""
+
+    def __init__(self, flag: PreemptionFlag, rank: int, signalled_rank: int, at: int):
+        self.flag, self.rank, self.signalled_rank, self.at, self.calls = flag, rank, signalled_rank, at, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.rank == self.signalled_rank and self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return self.flag()
+
+
+def _fit_with_signals(rank: int, world_size: int, cases: list) -> list[tuple[bool, int, bool]]:
+    """Each (run, signal_at) trained in turn by this rank: (preempted, final step, flag seen here)."""
+    from lowcomm.launch.env import DistEnv
+    from lowcomm.train.loop import Trainer
+
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    outcomes = []
+    for run, signal_at in cases:
+        flag = PreemptionFlag.install("USR2")
+        should_stop = _SignalOnRank(flag, rank, signalled_rank=1, at=signal_at)
+        result = Trainer(run, env, should_stop=should_stop).fit()
+        outcomes.append((result.preempted, result.final_step, flag()))
+    return outcomes
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_that_step_boundary_with_a_checkpoint(tmp_path):
+    # Two runs in the same two workers (spawning them dominates the time): signalled at step 3
+    # of 8, and at the last step of 4.
+    mid_run = tiny_run(tmp_path / "mid", "train.checkpoint_every=0", workers=2, max_steps=8)
+    last_step = tiny_run(tmp_path / "last", "train.checkpoint_every=0", workers=2, max_steps=4)
+    for run in (mid_run, last_step):
+        materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+
+    per_rank = spawn_workers(_fit_with_signals, 2, [(mid_run, 3), (last_step, 4)])
+
+    (mid_0, last_0), (mid_1, last_1) = per_rank
+    # rank 0 never saw the signal, yet stops with rank 1 after the third step and both checkpoint
+    assert (mid_0, mid_1) == ((True, 3, False), (True, 3, True))
+    assert [path.name for path in (mid_run.run_dir / "checkpoints").iterdir()] == ["step_000000003"]
+    assert not (mid_run.run_dir / "summary.json").exists()  # unfinished: the requeued job completes it
+    # at the last step there is nothing left to stop: the run finishes and writes its summary
+    assert (last_0[:2], last_1[:2]) == ((False, 4), (False, 4))
+    assert (last_step.run_dir / "summary.json").is_file()

@@ -3,6 +3,7 @@ SIGKILL and exact resume, fallback from a damaged checkpoint, metrics and wandb 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,6 +101,14 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_complete_one_is_used(tmp
     text = "".join(capfd.readouterr())
     assert f"{newest / 'rank1.pt'} is missing" in text
     assert "resuming from step_000000002" in text
+
+    # killed after the final checkpoint but before summary.json: a rerun evaluates and summarises
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    (run.run_dir / "summary.json").unlink()
+    launch_local(run)
+    assert "resuming from step_000000004" in "".join(capfd.readouterr())
+    rerun = json.loads((run.run_dir / "summary.json").read_text())
+    assert rerun["final_val_loss"] == summary["final_val_loss"] and rerun["steps"] == 4
 
 
 def test_wandb_offline_writes_a_local_run(tmp_path):

@@ -87,19 +87,21 @@ class ClusterSpec:
     workers: int = 4  # local launcher: processes on this machine
     device: str = "auto"  # auto | cpu | cuda
     threads_per_worker: int = 0  # 0: cores / workers
-    # SLURM (used when launcher == slurm)
+    # SLURM (used when launcher == slurm; checked by lowcomm.launch.slurm.slurm_profile)
     nodes: int = 1
-    tasks_per_node: int = 1
+    tasks_per_node: int = 1  # ranks per node: one per GPU
     gpus_per_node: int = 0
     cpus_per_task: int = 1
-    mem_gb: int = 0
+    mem_gb: int | None = None  # None: the partition's default; 0: all of each node's memory (--mem=0)
     timeout_min: int = 60
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    signal: str = "USR2"
+    partition: str | None = None  # None: $LOWCOMM_SLURM_PARTITION, else the cluster's default
+    account: str | None = None  # None: $LOWCOMM_SLURM_ACCOUNT
+    qos: str | None = None  # None: $LOWCOMM_SLURM_QOS
+    signal: str = "USR2"  # sent signal_delay_s before a preemption / time-limit kill
     signal_delay_s: int = 120
-    max_requeues: int = 3
+    max_requeues: int = 3  # time-outs requeued at most this often (preemptions always are)
+    setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
+    additional_parameters: dict[str, Any] = field(default_factory=dict)  # extra #SBATCH options
 
 
 @dataclass

@@ -1,31 +1,68 @@
-"""SLURM through submitit: a cluster profile becomes an executor; a task finds its rank.
+"""SLURM through submitit: cluster profiles, submission of training runs, rank discovery, preemption.
 
-Two halves, one on each side of ``sbatch``:
+On the submitting machine:
 
-- on the submitting machine, :func:`slurm_profile` validates a cluster profile (the SLURM fields
-  of ``configs/cluster/*.yaml``), :func:`submitit_parameters` turns it into the keyword
-  arguments of ``submitit.AutoExecutor.update_parameters`` and :func:`make_executor` builds the
-  executor with them;
-- inside every task of the job, :func:`setup_distributed_from_slurm` exports the ``env://``
-  variables torch.distributed reads and returns this task's place in the world.
+- :func:`slurm_profile` validates a cluster profile (the SLURM fields of
+  ``configs/cluster/*.yaml``), :func:`submitit_parameters` turns it into the keyword arguments
+  of ``submitit.AutoExecutor.update_parameters`` and :func:`make_executor` builds the executor;
+- :func:`submit_training` sends one validated run to SLURM as one job (``lowcomm-train
+  cluster=slurm_64gpu ...`` goes through :func:`submit_run`; ``lowcomm-sweep`` submits a sweep,
+  one job per point): it materialises the data and writes the run's ``config.yaml`` first, so
+  the ranks never race to build them, and skips a run that is finished (``summary.json``) or
+  already queued (a job named after the run, or the job id recorded in the run directory);
+- :func:`run_state` says where a run stands (done / running / pending / failed / not submitted).
 
-Preemption follows submitit's protocol: SLURM sends ``signal`` ``signal_delay_s`` seconds before
-it kills the job; global rank 0 catches it, calls the submitted callable's ``checkpoint()`` and
-requeues the job (same job id). A requeued job starts from scratch, so the training loop must
-resume from its own latest checkpoint. submitit requeues preempted jobs without limit; only
-timeouts count against ``max_requeues``.
+Inside every task of the job, :class:`TrainingJob` runs one lowcomm worker:
+:func:`setup_distributed_from_slurm` exports the ``env://`` variables torch.distributed reads
+(rank and world from SLURM; NCCL on GPUs, gloo otherwise, chosen by the training loop).
+
+Why a thin launcher of our own rather than Hydra multirun with hydra-submitit-launcher: that
+launcher runs the ``@hydra.main`` task function in every SLURM task, so every rank re-composes
+the config and writes its own ``.hydra/`` output (racing on a shared filesystem), while lowcomm
+composes and validates once, in the submitting process, before anything is submitted. Its
+sweeps are one job array built from the command line, so a job cannot carry its run's name,
+finished or queued runs cannot be skipped on resubmission, and an invalid point is only found
+on the cluster. Its ``checkpoint()`` requeues from a signal handler on rank 0, which cannot
+write a checkpoint all ranks take part in. Here a sweep is a file (``sweeps/``), each job is
+named after its deterministic run name, and preemption is handled as below.
+
+Preemption (and the time limit): SLURM sends ``signal`` (``--signal=USR2@<signal_delay_s>``,
+without ``B:``, so every task gets it) ``signal_delay_s`` seconds before it stops the job.
+submitit's own handler would checkpoint the callable and ``scontrol requeue`` the job right
+there, on rank 0 only, while training goes on: everything since the last periodic checkpoint
+would be lost, and a checkpoint cannot be written from a signal handler (all ranks write it
+together). So :class:`TrainingJob` replaces that handler with one that only sets a flag
+(:class:`PreemptionFlag`); the training loop reads it at every step boundary, the ranks agree
+through one all-reduce, write a checkpoint together and return. Only then does rank 0 call the
+submitit handler it displaced, which counts a time-out against ``max_requeues`` (preemptions
+are requeued without limit), pickles the same callable (``checkpoint()``), requeues the job
+(same job id) and exits; the other ranks exit without a result. The requeued job starts from
+scratch and the training loop resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import getpass
+import json
+import logging
 import os
+import shutil
 import signal
-from collections.abc import Mapping, Sequence
+import subprocess
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import submitit
+from submitit.core.utils import FailedJobError
+
+from lowcomm.config import ConfigError
+
+if TYPE_CHECKING:
+    from lowcomm.config import RunConfig
 
 # Where partition, account and qos come from when the profile leaves them unset (None): these
 # differ per user and per cluster, so they do not belong in a versioned config file.
@@ -258,3 +295,307 @@ def _gpu_for_local_rank(allocated_gpus: str | None, local_rank: int, local_world
             "ranks on this node; lowcomm runs one rank per GPU (gpus_per_node == tasks_per_node)"
         )
     return gpus[local_rank]
+
+
+# ------------------------------------------------------------------------------------------------
+# Inside the job: one training worker per SLURM task
+
+
+class PreemptionFlag:
+    """Set by the preemption signal, read by the training loop at step boundaries (``should_stop``).
+
+    The handler only sets the flag: saving, collectives and requeueing all happen later, in the
+    task's normal flow. :meth:`install` puts it in place of the handler submitit installed for
+    the same signal and keeps that one for :meth:`hand_over`.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.requested = False
+        self._displaced: Callable[[int, Any], Any] | int | None = None
+
+    @classmethod
+    def install(cls, signal_name: str | None = None) -> PreemptionFlag:
+        """Handle ``signal_name`` (default: submitit's, ``$SUBMITIT_PREEMPT_SIGNAL`` else USR2)."""
+        name = (signal_name or os.environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2").removeprefix("SIG")
+        flag = cls(getattr(signal, f"SIG{name}"))
+        flag._displaced = signal.signal(flag.signum, flag._on_signal)
+        return flag
+
+    def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def hand_over(self) -> NoReturn:
+        """After the preemption checkpoint: let submitit requeue the job, then leave.
+
+        On global rank 0 the displaced submitit handler pickles the callable for the requeued
+        job, runs ``scontrol requeue`` and exits (or raises when it may not requeue, e.g. too
+        many time-outs: the task then ends with that error). On the other ranks it does nothing,
+        and the task exits with status 0 and no result, so that neither a result file nor a
+        failed task (``srun --kill-on-bad-exit``) can end the job before rank 0 has requeued it.
+        """
+        if callable(self._displaced):
+            self._displaced(self.signum, None)
+        raise SystemExit(0)
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """What every task of a lowcomm SLURM job runs: one rank of the run in ``config_path``.
+
+    Checkpointable: submitit resubmits the same callable (the config path is all its state) when
+    it requeues the job; the training loop finds its own checkpoints in the run directory.
+    Returns the run's summary (the same dict as ``summary.json``) from every rank.
+    """
+
+    def __init__(self, config_path: str) -> None:
+        self.config_path = config_path
+
+    def __call__(self) -> dict[str, Any]:
+        # First, so that a signal arriving during start-up is not lost; submitit's handler,
+        # installed before this call, is kept for after the checkpoint.
+        stop = PreemptionFlag.install()
+        rank, _, _, _ = setup_distributed_from_slurm()
+
+        from omegaconf import OmegaConf
+
+        from lowcomm.config import validate
+        from lowcomm.launch.env import DistEnv
+        from lowcomm.train.loop import train
+
+        if rank != 0:
+            warnings.filterwarnings("ignore")
+        # lowcomm's loggers only: submitit's logger writes to the same task log by itself.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        lowcomm_log = logging.getLogger("lowcomm")
+        lowcomm_log.addHandler(handler)
+        lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        run = validate(OmegaConf.load(self.config_path))
+        result = train(run, DistEnv.from_environ(), should_stop=stop)
+        if result.preempted:
+            print(f"[lowcomm] rank {rank}: checkpoint at step {result.final_step} written; "
+                  "leaving the job to be requeued", flush=True)
+            stop.hand_over()
+        return result.summary
+
+
+# ------------------------------------------------------------------------------------------------
+# The queue and the state of a run
+
+SLURM_DIR = "slurm"  # <run_dir>/slurm/: submitit's job files and logs, and our submission record
+SUBMISSIONS = "submissions.jsonl"
+
+# squeue states of a job that is, or will be, running (everything else is final).
+PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESV_DEL_HOLD"})
+RUNNING_STATES = frozenset(
+    {"CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+)
+
+
+class SlurmUnavailable(RuntimeError):
+    """squeue or sbatch cannot be run here (no SLURM client, or the controller does not answer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedJob:
+    job_id: str
+    name: str
+    state: str  # squeue's long form: PENDING, RUNNING, COMPLETED, CANCELLED, ...
+
+    @property
+    def active(self) -> bool:
+        return self.state in PENDING_STATES or self.state in RUNNING_STATES
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue:
+    """One squeue listing of the user's jobs, recent finished ones included (MinJobAge)."""
+
+    jobs: tuple[QueuedJob, ...]
+
+    @classmethod
+    def read(cls, user: str | None = None) -> Queue:
+        if shutil.which("squeue") is None:
+            raise SlurmUnavailable("squeue is not installed here: is this a SLURM login node?")
+        listed = subprocess.run(
+            ["squeue", "--noheader", "--states=all", f"--user={user or getpass.getuser()}",
+             "--format=%i|%T|%j"],
+            capture_output=True, text=True, timeout=60,
+        )
+        if listed.returncode != 0:
+            raise SlurmUnavailable(f"squeue failed: {listed.stderr.strip()}")
+        jobs = []
+        for line in listed.stdout.splitlines():
+            if line.strip():
+                job_id, state, name = line.strip().split("|", 2)
+                jobs.append(QueuedJob(job_id=job_id, name=name, state=state))
+        return cls(tuple(jobs))
+
+    def find(self, job_id: str | None = None, name: str | None = None) -> QueuedJob | None:
+        """The job with this id or name: an active one first (the newest), else the job with
+        this id in a final state, else None."""
+        matching = [job for job in self.jobs if job.job_id == job_id or (name is not None and job.name == name)]
+        active = [job for job in matching if job.active]
+        if active:
+            return active[-1]
+        recorded = [job for job in matching if job.job_id == job_id]
+        return recorded[-1] if recorded else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """Where a run stands. ``status``: done | running | pending | failed | not submitted."""
+
+    status: str
+    job_id: str | None = None
+    detail: str = ""  # e.g. the final queue state of a failed job
+    last_step: int | None = None
+    last_loss: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("running", "pending")
+
+
+def last_submission(run_dir: Path) -> dict[str, Any] | None:
+    """The newest record of ``<run_dir>/slurm/submissions.jsonl``, or None."""
+    path = Path(run_dir) / SLURM_DIR / SUBMISSIONS
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else None
+
+
+def last_logged(run_dir: Path) -> tuple[int | None, float | None]:
+    """Step and training loss of the last ``train/loss`` record in ``metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None, None
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+        if "train/loss" in record:
+            return int(record["step"]), float(record["train/loss"])
+    return None, None
+
+
+def run_state(run_dir: Path, run_name: str, queue: Queue | None) -> RunState:
+    """The state of the run in ``run_dir``; ``queue`` None when the queue cannot be read."""
+    run_dir = Path(run_dir)
+    step, loss = last_logged(run_dir)
+    record = last_submission(run_dir)
+    recorded_id = record["job_id"] if record else None
+    if (run_dir / "summary.json").is_file():
+        return RunState("done", recorded_id, last_step=step, last_loss=loss)
+    job = queue.find(job_id=recorded_id, name=run_name) if queue is not None else None
+    if job is not None and job.active:
+        status = "pending" if job.state in PENDING_STATES else "running"
+        return RunState(status, job.job_id, job.state, step, loss)
+    if record is None:
+        return RunState("not submitted", last_step=step, last_loss=loss)
+    if queue is None:
+        detail = "queue unknown"
+    elif job is not None:
+        detail = job.state
+    else:
+        detail = "no longer in the queue"
+    return RunState("failed", recorded_id, detail, step, loss)
+
+
+# ------------------------------------------------------------------------------------------------
+# Submission
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """What :func:`submit_training` did with a run: ``submitted`` it, or left it (``skipped``)."""
+
+    run_dir: Path
+    action: str  # submitted | skipped
+    state: RunState  # the run's state before (skipped: why)
+    job_id: str | None
+    log_dir: Path
+
+    def describe(self) -> str:
+        if self.action == "submitted":
+            resumed = (f", resumes from its latest checkpoint (last logged step {self.state.last_step})"
+                       if self.state.last_step else "")
+            return (f"submitted job {self.job_id}{resumed}; logs: "
+                    f"{self.log_dir}/{self.job_id}_<task>_log.{{out,err}}")
+        job = f" (job {self.state.job_id})" if self.state.job_id else ""
+        return f"skipped: {self.state.status}{job}"
+
+
+def check_profile(run: RunConfig) -> None:
+    """Raise ConfigError when ``run``'s cluster is not a valid SLURM profile."""
+    if run.cluster.launcher != "slurm":
+        raise ConfigError([f"cluster.launcher={run.cluster.launcher!r}: submitting needs a SLURM profile "
+                           "(cluster=slurm_debug, cluster=slurm_64gpu or one of your own)"])
+    try:
+        slurm_profile(run.cluster)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from exc
+
+
+def _with_absolute_run_root(run: RunConfig) -> RunConfig:
+    # The job reads config.yaml wherever it starts; run_root is not part of the run name.
+    run_root = str(Path(run.run_root).resolve())
+    return dataclasses.replace(run, run_root=run_root, raw={**run.raw, "run_root": run_root})
+
+
+def submit_training(
+    run: RunConfig, *, queue: Queue | None = None, environ: Mapping[str, str] | None = None
+) -> Submission:
+    """Submit ``run`` (validated) as one SLURM job unless it is done or already queued.
+
+    Before submitting: materialise the data (the synthetic corpus is generated here, once) and
+    write ``<run_dir>/config.yaml``, which every task reads. The job is named after the run
+    (so ``squeue --name`` finds it); submitit's files and the task logs go to
+    ``<run_dir>/slurm/``, where the job id is also recorded. A run with checkpoints resumes.
+    ``queue`` (default: read now) is the listing used to find an already queued job.
+    """
+    from lowcomm.data import materialize
+    from lowcomm.launch.local import write_run_config
+
+    check_profile(run)
+    run = _with_absolute_run_root(run)
+    log_dir = run.run_dir / SLURM_DIR
+    state = run_state(run.run_dir, run.run_name, queue if queue is not None else Queue.read())
+    if state.status == "done" or state.active:
+        return Submission(run.run_dir, "skipped", state, state.job_id, log_dir)
+    materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+    config_path = write_run_config(run)
+    executor = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ)
+    try:
+        job = executor.submit(TrainingJob(str(config_path)))
+    except (FailedJobError, OSError) as exc:
+        raise SlurmUnavailable(f"sbatch failed for {run.run_name}: {exc}") from exc
+    record = {
+        "job_id": job.job_id,
+        "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "job_name": run.run_name,
+        "nodes": run.cluster.nodes,
+        "tasks_per_node": run.cluster.tasks_per_node,
+        "gpus_per_node": run.cluster.gpus_per_node,
+        "last_logged_step": state.last_step,
+    }
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / SUBMISSIONS).open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return Submission(run.run_dir, "submitted", state, job.job_id, log_dir)
+
+
+def submit_run(run: RunConfig) -> Path:
+    """``lowcomm-train`` with a SLURM cluster profile: submit ``run``, say where it went, return
+    its run directory (without waiting for the job)."""
+    submission = submit_training(run)
+    print(f"[lowcomm] {run.run_name}: {submission.describe()}", flush=True)
+    if submission.action == "submitted":
+        print(f"[lowcomm] watch it: squeue --name={run.run_name}  (metrics: {submission.run_dir}/metrics.jsonl)",
+              flush=True)
+    return submission.run_dir

@@ -1,32 +1,49 @@
 """Sweeps as files: ``sweeps/<name>.yaml`` lists only what varies.
 
     description: what the sweep reproduces
-    base: [experiment=table1, model=olmo_1b]      # overrides for every job
-    points:                                       # explicit jobs (optional; default: one empty point)
-      - [optimizer=adamw_ddp]
-      - [optimizer=demo, optimizer.compression_topk=4]
-    grid:                                         # cartesian product applied to every point (optional)
-      optimizer.compression_chunk: [64, 128]
+    base: [experiment=paper_table1, model=olmo_1b]  # overrides for every job
+    points:                                         # explicit jobs (optional; default: one empty point)
+      - [optimizer=adamw_ddp]                       # a point: a list of overrides
+      - overrides: [optimizer=demo, optimizer.compression_chunk=64]
+        grid:                                       # a point with its own grid: one job per combination
+          optimizer.compression_topk: [32, 16, 8]
+    grid:                                           # cartesian product applied to every point (optional)
+      seed: [0, 1]
 
-Jobs = points x grid, each a list of Hydra overrides, in file order (grid varies fastest).
+Jobs = for each point, its overrides x its own grid x the sweep's grid, each a list of Hydra
+overrides (base first), in file order with the last grid key varying fastest. A grid value that
+is a list becomes a list override (``optimizer.betas: [[0.9, 0.95], [0.9, 0.99]]``).
+
+:func:`plan_sweep` composes and validates every job (all problems reported at once, before
+anything runs) and :func:`compute_estimate` gives the GPU-hours of a run. Running a sweep:
+``lowcomm-sweep`` (:mod:`lowcomm.launch.sweep_cli`) on SLURM, ``python -m lowcomm.quickstart``
+on this machine.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
-from lowcomm.config import repo_root
+from lowcomm.config import ConfigError, RunConfig, repo_root
+
+SWEEP_KEYS = ("description", "base", "points", "grid")
+POINT_KEYS = ("overrides", "grid")
 
 
 @dataclass
 class Sweep:
     name: str
     description: str
-    jobs: list[list[str]]
+    jobs: list[list[str]]  # each job's overrides, the base first
+    base: list[str] = field(default_factory=list)  # the overrides every job starts with
+    path: Path | None = None  # the sweep file
 
 
 def sweep_path(name_or_path: str) -> Path:
@@ -40,21 +57,183 @@ def sweep_path(name_or_path: str) -> Path:
     raise FileNotFoundError(f"no sweep {name_or_path!r}; available: {', '.join(available)}")
 
 
-def _format(key: str, value) -> str:
+def _value(value: Any) -> str:
+    """A YAML value written in Hydra's override grammar."""
     if isinstance(value, list | tuple):
-        value = "[" + ",".join(map(str, value)) + "]"
-    return f"{key}={value}"
+        return "[" + ",".join(map(_value, value)) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _format(key: str, value: Any) -> str:
+    return f"{key}={_value(value)}"
+
+
+def _grid_combinations(grid: Any, where: str) -> list[list[str]]:
+    """Every combination of a grid mapping (key -> list of values) as lists of overrides."""
+    if grid is None:
+        return [[]]
+    if not isinstance(grid, Mapping):
+        raise ValueError(f"{where}: a grid maps override keys to lists of values, got {grid!r}")
+    axes = []
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}.{key}: give a non-empty list of values, got {values!r}")
+        axes.append([_format(key, value) for value in values])
+    return [list(combination) for combination in itertools.product(*axes)]
+
+
+def _overrides(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{where}: give a list of Hydra overrides (key=value), got {value!r}")
+    return list(value)
+
+
+def _point_jobs(point: Any, where: str) -> list[list[str]]:
+    if isinstance(point, Mapping):
+        unknown = set(point) - set(POINT_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {', '.join(POINT_KEYS)}")
+        overrides = _overrides(point.get("overrides") or [], f"{where}.overrides")
+        return [overrides + combination for combination in _grid_combinations(point.get("grid"), f"{where}.grid")]
+    return [_overrides(point, where)]
 
 
 def load_sweep(name_or_path: str) -> Sweep:
     path = sweep_path(name_or_path)
     spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    unknown = set(spec) - {"description", "base", "points", "grid"}
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a sweep file is a mapping with keys {', '.join(SWEEP_KEYS)}")
+    unknown = set(spec) - set(SWEEP_KEYS)
     if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: description, base, points, grid")
-    base = [str(o) for o in spec.get("base") or []]
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: {', '.join(SWEEP_KEYS)}")
+    base = _overrides(spec.get("base") or [], f"{path}: base")
     points = spec.get("points") or [[]]
-    grid = spec.get("grid") or {}
-    axes = [[_format(key, value) for value in values] for key, values in grid.items()]
-    jobs = [base + [str(o) for o in point] + list(combo) for point in points for combo in itertools.product(*axes)]
-    return Sweep(name=path.stem, description=str(spec.get("description", "")), jobs=jobs)
+    if not isinstance(points, list):
+        raise ValueError(f"{path}: points must be a list, got {points!r}")
+    shared = _grid_combinations(spec.get("grid"), f"{path}: grid")
+    jobs = [
+        base + point_job + combination
+        for index, point in enumerate(points)
+        for point_job in _point_jobs(point, f"{path}: points[{index}]")
+        for combination in shared
+    ]
+    return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(), jobs=jobs, base=base, path=path)
+
+
+@dataclass
+class PlannedRun:
+    """One job of a sweep, validated."""
+
+    number: int  # 1-based position in the sweep file
+    varying: list[str]  # what this job sets beyond the sweep's base (its point and grid values)
+    overrides: list[str]  # everything it was composed from: base, point, grid, the command line's
+    run: RunConfig
+
+
+def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = ()) -> list[PlannedRun]:
+    """Compose and validate every job of ``sweep`` with ``extra_overrides`` appended.
+
+    Raises :class:`ConfigError` listing the problems of every invalid job (each message prefixed
+    by the job's number and overrides), so nothing is started unless all jobs are valid. Jobs
+    that resolve to the same run directory are kept once (the first).
+    """
+    from hydra.errors import HydraException
+
+    from lowcomm.config import validate
+    from lowcomm.train.cli import compose
+
+    planned: list[PlannedRun] = []
+    errors: list[tuple[int, list[str], str]] = []
+    seen: set[Path] = set()
+    for number, job in enumerate(sweep.jobs, start=1):
+        varying = job[len(sweep.base):]
+        overrides = [*job, *extra_overrides]
+        try:
+            run = validate(compose(overrides))
+        except ConfigError as exc:
+            errors += [(number, varying, error) for error in exc.errors]
+            continue
+        except HydraException as exc:  # an unknown group option or key, a malformed override
+            errors.append((number, varying, str(exc).splitlines()[0]))
+            continue
+        if run.run_dir not in seen:
+            seen.add(run.run_dir)
+            planned.append(PlannedRun(number=number, varying=varying, overrides=overrides, run=run))
+    if errors:
+        raise ConfigError(job_errors(errors, len(sweep.jobs)))
+    return planned
+
+
+def job_errors(errors: Sequence[tuple[int, list[str], str]], job_count: int) -> list[str]:
+    """``(job number, its varying overrides, message)`` as messages naming the jobs, a message
+    shared by several jobs once (a missing data path fails every job the same way)."""
+    jobs_by_message: dict[str, list[tuple[int, list[str]]]] = {}
+    for number, varying, message in errors:
+        jobs = jobs_by_message.setdefault(message, [])
+        if number not in [seen for seen, _ in jobs]:
+            jobs.append((number, varying))
+    grouped = []
+    for message, jobs in jobs_by_message.items():
+        if len(jobs) == 1:
+            number, varying = jobs[0]
+            where = f"job {number} ({' '.join(varying) or 'base only'})"
+        elif len(jobs) == job_count:
+            where = "every job"
+        else:
+            where = "jobs " + ", ".join(str(number) for number, _ in jobs)
+        grouped.append(f"{where}: {message}")
+    return grouped
+
+
+# H100 SXM dense bf16 tensor-core peak; MFU 0.4 is typical of well-tuned data-parallel training.
+DEFAULT_PEAK_FLOPS = 989e12
+DEFAULT_MFU = 0.4
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parameters: int
+    tokens: int
+    flops: float  # 6 x parameters x tokens (forward + backward of a dense transformer)
+    gpus: int
+    gpu_hours: float | None  # None for a CPU job
+    wall_hours: float | None  # gpu_hours / gpus
+
+
+_parameter_counts: dict[str, int] = {}
+
+
+def parameter_count(run: RunConfig) -> int:
+    """The model's parameter count, from shapes on the meta device (nothing allocated)."""
+    from lowcomm.models import build_model, count_parameters
+
+    key = json.dumps(asdict(run.model), sort_keys=True)
+    if key not in _parameter_counts:
+        _parameter_counts[key] = count_parameters(build_model(run.model, "meta"))
+    return _parameter_counts[key]
+
+
+def compute_estimate(run: RunConfig, *, mfu: float = DEFAULT_MFU, peak_flops: float = DEFAULT_PEAK_FLOPS) -> Estimate:
+    """GPU-hours of ``run`` from 6 x parameters x tokens at ``mfu`` of ``peak_flops`` per GPU.
+
+    Counts the training tokens only (train.max_steps x global batch x sequence length); evaluation
+    and checkpointing are extra. A job without GPUs (cluster.gpus_per_node = 0, or the local
+    launcher) gets no GPU estimate.
+    """
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    if peak_flops <= 0:
+        raise ValueError(f"peak FLOP/s per GPU must be positive, got {peak_flops}")
+    parameters = parameter_count(run)
+    tokens = run.train.max_steps * run.train.global_batch_size * run.train.seq_len
+    flops = 6.0 * parameters * tokens
+    cluster = run.cluster
+    gpus = cluster.nodes * cluster.gpus_per_node if cluster.launcher == "slurm" else 0
+    if not gpus:
+        return Estimate(parameters, tokens, flops, 0, None, None)
+    gpu_hours = flops / (mfu * peak_flops) / 3600
+    return Estimate(parameters, tokens, flops, gpus, gpu_hours, gpu_hours / gpus)

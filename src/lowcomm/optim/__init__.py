@@ -3,6 +3,7 @@
 from lowcomm.optim.demo import DeMo, demo_payload_bytes
 from lowcomm.optim.desloc import DESLoc
 from lowcomm.optim.diloco import DiLoCo, all_gather_payloads
+from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes
 from lowcomm.optim.grouping import CombinedOptimizer, muon_adamw, split_muon_adamw
 
 __all__ = [
@@ -10,8 +11,10 @@ __all__ = [
     "DESLoc",
     "DeMo",
     "DiLoCo",
+    "FlexDeMo",
     "all_gather_payloads",
     "demo_payload_bytes",
+    "flexdemo_payload_bytes",
     "muon_adamw",
     "split_muon_adamw",
 ]

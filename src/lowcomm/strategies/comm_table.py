@@ -4,9 +4,12 @@ tx/rx per worker for a given world size and the paper's Tx MB/step beside DeMo's
 
     lowcomm-comm-table                                   # paper rows + every peer, both models
     lowcomm-comm-table --model olmo_1b --world-size 64
+    lowcomm-comm-table --row "optimizer=flexdemo" --gpus-per-node 8      # intra / inter node rows
     lowcomm-comm-table --row "optimizer=diloco optimizer.sync_every=30" --row "optimizer=demo optimizer.wire=sign"
 
 MB = 1e6 bytes, per worker and optimizer step (amortised over sync periods), as in the paper.
+A strategy whose traffic crosses two links (FlexDeMo: inside a node, across nodes) gets one row
+per link under its total.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ PAPER_MODEL = {"olmo_300m": "300M", "olmo_1b": "1B"}
 
 # Every peer at the settings the quickstart and the paper's comparisons use.
 PEER_ROWS: list[tuple[str, list[str]]] = [
+    ("Muon-DDP", ["optimizer=muon_ddp"]),
+    ("PowerSGD r=32 (after warm-up)", ["optimizer=powersgd"]),
     ("DiLoCo H=10", ["optimizer=diloco", "optimizer.sync_every=10"]),
     ("DiLoCo H=10, 2-bit quantized", ["optimizer=diloco", "optimizer.sync_every=10", "compression=quantize"]),
     ("DES-LOC Kx=10", ["optimizer=desloc", "optimizer.sync_x=10"]),
+    ("MuLoCo H=30, 2-bit quantized", ["optimizer=muloco", "compression=quantize", "compression.bits=2"]),
+    ("FlexDeMo |S|=8", ["optimizer=flexdemo", "optimizer.shard_group_size=8"]),
 ]
+GPUS_PER_NODE = 8  # the paper's nodes
 
 
 @dataclass
@@ -87,20 +95,29 @@ def _compose_groups(overrides: list[str]) -> dict:
     return OmegaConf.to_container(compose(overrides), resolve=True)
 
 
-def measure(model_name: str, overrides: list[str], world_size: int, meta_model=None) -> tuple[float, float, float]:
-    """(payload, tx, rx) bytes per worker and step for one optimizer config."""
+def measure(
+    model_name: str, overrides: list[str], world_size: int, meta_model=None, gpus_per_node: int = GPUS_PER_NODE
+) -> tuple[float, float, float, dict[str, tuple[float, float, float]]]:
+    """(payload, tx, rx) bytes per worker and step for one optimizer config, and the same per
+    link (scope) for strategies that report them (else an empty dict)."""
     raw = _compose_groups([f"model={model_name}", *overrides])
     strategy_cls, optimizer_cfg = validate_optimizer(raw)
     strategy = strategy_cls(optimizer_cfg, raw["compression"], Communicator())
     model = meta_model if meta_model is not None else build_model(ModelSpec(**raw["model"]), "meta")
+    if hasattr(strategy, "analytic_scope_bytes"):
+        scopes = strategy.analytic_scope_bytes(model, world_size, gpus_per_node)
+        payload, tx, rx = (sum(values[i] for values in scopes.values()) for i in range(3))
+        return payload, tx, rx, scopes
     payload = strategy.analytic_payload_bytes(model)
     formula = ring_all_gather_bytes if strategy.wire_collective() == "all_gather" else ring_all_reduce_bytes
     # the formulas work on integers; scale up and down to keep amortised fractions exact enough
     tx, rx = formula(int(round(payload * 1000)), world_size)
-    return payload, tx / 1000, rx / 1000
+    return payload, tx / 1000, rx / 1000, {}
 
 
-def build_table(models: list[str], world_size: int, rows: list[tuple[str, list[str]]] | None) -> list[Row]:
+def build_table(
+    models: list[str], world_size: int, rows: list[tuple[str, list[str]]] | None, gpus_per_node: int = GPUS_PER_NODE
+) -> list[Row]:
     table = []
     for model_name in models:
         raw = _compose_groups([f"model={model_name}"])
@@ -109,8 +126,10 @@ def build_table(models: list[str], world_size: int, rows: list[tuple[str, list[s
         specs = [(label, ov, None) for label, ov in rows] if custom else (
             paper_rows(model_name) + [(label, ov, None) for label, ov in PEER_ROWS])
         for label, overrides, paper_mb in specs:
-            payload, tx, rx = measure(model_name, overrides, world_size, meta_model)
+            payload, tx, rx, scopes = measure(model_name, overrides, world_size, meta_model, gpus_per_node)
             table.append(Row(model_name, label, payload / 1e6, tx / 1e6, rx / 1e6, paper_mb))
+            for scope, (scope_payload, scope_tx, scope_rx) in scopes.items():
+                table.append(Row(model_name, f"{label}: {scope}", scope_payload / 1e6, scope_tx / 1e6, scope_rx / 1e6))
     return table
 
 
@@ -132,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=list(MODELS), help="model config names")
     parser.add_argument("--world-size", type=int, default=64, help="W for tx/rx (default: the paper's 64)")
+    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                        help="ranks per node, for strategies grouped by node (default: the paper's 8)")
     parser.add_argument("--row", action="append", metavar="OVERRIDES",
                         help="an optimizer config as Hydra overrides (repeatable); replaces the default rows")
     parser.add_argument("--csv", type=Path, help="also write the table as CSV")
     args = parser.parse_args(argv)
     rows = [(spec, shlex.split(spec)) for spec in args.row] if args.row else None
     try:
-        table = build_table(args.model, args.world_size, rows)
+        table = build_table(args.model, args.world_size, rows, args.gpus_per_node)
     except ConfigError as exc:
         print(f"lowcomm-comm-table: {exc}", file=sys.stderr)
         return 2
@@ -148,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
               "decimals equals the paper's (the paper truncates).\nThe paper's DeMo column is 12 bytes per kept "
               "coefficient (int64 index + fp32 value). Its AdamW-DDP rows are close to 2 bytes per parameter\n"
               "(bf16 gradients: 639.9 and 2353.5 MB) but not equal to it (636.9 and 2416.6); lowcomm's AdamW-DDP "
-              "sends fp32 gradients by default (optimizer.wire_dtype).")
+              "sends fp32 gradients by default (optimizer.wire_dtype).\nFlexDeMo's intra rows count one micro-batch: "
+              "its parameter all-gathers inside a node repeat for every micro-batch of a step.")
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as handle:

@@ -49,13 +49,14 @@ def run_config(cfg: DictConfig):
 
 def _hydra_entry(cfg: DictConfig) -> None:
     from lowcomm.launch.local import WorkerFailure
+    from lowcomm.launch.slurm import SlurmUnavailable
 
     try:
         run_dir = run_config(cfg)
     except ConfigError as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         sys.exit(2)
-    except WorkerFailure as exc:
+    except (WorkerFailure, SlurmUnavailable) as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         sys.exit(1)
     print(f"[lowcomm] run directory: {run_dir}")

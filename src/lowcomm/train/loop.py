@@ -176,6 +176,9 @@ class Trainer:
                 preempted = True
                 break
         final_step = step + 1 if train.max_steps > start else start
+        if val_loss is None and not preempted:
+            # restarted from the final checkpoint (killed before summary.json was written)
+            val_loss = self.validate()
         summary = self._summary(final_step, val_loss, compute_s, start)
         if self.is_main and not preempted:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -199,6 +202,10 @@ class Trainer:
             "final_val_loss": val_loss,
             "bayes_floor": self.data.bayes_floor,
             "payload_MB_per_step": meter.cumulative_bytes("payload") / 1e6 / steps,
+            # the link between nodes when each node is one sharding group (FlexDeMo's "inter"
+            # scope); a strategy without sharding groups sends everything over it
+            "inter_node_payload_MB_per_step": meter.cumulative_bytes(
+                "payload", scope="inter" if "inter" in meter.scopes() else None) / 1e6 / steps,
             "tx_MB_per_step": meter.cumulative_bytes("tx") / 1e6 / steps,
             "cum_payload_MB": meter.cumulative_bytes("payload") / 1e6,
             "tokens_per_s": train.global_batch_size * train.seq_len * ran / max(compute_s, 1e-9),

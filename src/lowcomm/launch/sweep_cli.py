@@ -1,0 +1,307 @@
+"""``lowcomm-sweep``: a sweep file (``sweeps/<name>.yaml``) to SLURM, one job per point.
+
+    lowcomm-sweep list
+    lowcomm-sweep submit table1_1b --dry-run data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
+    lowcomm-sweep submit table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
+    lowcomm-sweep status table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
+
+Overrides after the sweep name are added to every job (data paths, ``cluster.partition=gpu``,
+``run_root=/scratch/runs``, ...). Give ``status`` the same ones as ``submit``: a run's name
+hashes what it trains, data included (``run_root``, ``wandb``, ``label`` and the cluster's
+resources other than the world size are not part of it).
+
+``submit`` validates every job first (nothing is submitted if any is invalid), then submits
+one SLURM job per run, named after the run, skipping runs that are finished (``summary.json``)
+or already pending / running; an interrupted run resumes from its latest checkpoint.
+``--dry-run`` prints every job (its overrides, key resolved values, run directory, an estimate
+of GPU-hours from 6 x parameters x tokens at ``--mfu`` of ``--peak-flops`` per GPU) and the
+sweep's total, and submits nothing. ``status`` lists each run as done / running / pending /
+failed / not submitted with its last logged step and training loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import Counter
+from collections.abc import Sequence
+
+from lowcomm.config import ConfigError, RunConfig, repo_root
+from lowcomm.launch.slurm import (
+    Queue,
+    RunState,
+    SlurmUnavailable,
+    check_profile,
+    run_state,
+    submit_training,
+    submitit_parameters,
+)
+from lowcomm.launch.sweep import (
+    DEFAULT_MFU,
+    DEFAULT_PEAK_FLOPS,
+    Estimate,
+    PlannedRun,
+    Sweep,
+    compute_estimate,
+    job_errors,
+    load_sweep,
+    plan_sweep,
+)
+
+PROG = "lowcomm-sweep"
+
+
+def _read_queue() -> tuple[Queue | None, str]:
+    """The queue, or None and why not (then runs that are queued cannot be recognised)."""
+    try:
+        return Queue.read(), ""
+    except SlurmUnavailable as exc:
+        return None, str(exc).splitlines()[-1]
+
+
+def _duration(minutes: int) -> str:
+    return f"{minutes // 60}:{minutes % 60:02d}:00"
+
+
+def _fields(values: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in values.items())
+
+
+def _describe_run(run: RunConfig, estimate: Estimate) -> list[tuple[str, str]]:
+    """The resolved values that decide what a job trains and what it asks SLURM for."""
+    train, cluster, data = run.train, run.cluster, run.data
+    optimizer = dataclasses.asdict(run.optimizer)
+    lines = [
+        ("model", f"{run.model.name}, {estimate.parameters:,} parameters"),
+        ("optimizer", f"{run.optimizer_name}: {_fields(optimizer)}"),
+    ]
+    if run.compression.get("name", "none") != "none":
+        compression = {key: value for key, value in run.compression.items() if key != "name"}
+        lines.append(("compression", f"{run.compression['name']}: {_fields(compression)}"))
+    lines.append((
+        "train",
+        f"{train.max_steps:,} steps x {train.global_batch_size} sequences x {train.seq_len} tokens = "
+        f"{estimate.tokens / 1e9:,.2f}B tokens; micro batch {train.micro_batch_size}, warm-up "
+        f"{train.warmup_steps}, cosine to {train.alpha_f} x lr, checkpoint every {train.checkpoint_every}",
+    ))
+    if data.name == "synthetic":
+        lines.append(("data", f"synthetic: seed {data.seed}, {data.train_tokens:,} training tokens"))
+    else:
+        validation = f" (validation: {', '.join(data.val_paths)})" if data.val_paths else ""
+        lines.append(("data", f"{data.name}: {', '.join(data.paths)}{validation}"))
+    if cluster.launcher == "slurm":
+        sbatch = submitit_parameters(cluster, job_name=run.run_name)
+        where = " ".join(
+            f"{key}={sbatch.get(f'slurm_{key}', '(cluster default)')}" for key in ("partition", "account", "qos")
+        )
+        gpus = f", {cluster.gpus_per_node} GPUs/node" if cluster.gpus_per_node else ", CPU only"
+        lines.append((
+            "slurm",
+            f"{cluster.nodes} nodes x {cluster.tasks_per_node} tasks{gpus}, {cluster.cpus_per_task} CPUs/task, "
+            f"time {_duration(cluster.timeout_min)}, {where}; {cluster.signal} {cluster.signal_delay_s} s "
+            f"before the end, up to {cluster.max_requeues} time-out requeues",
+        ))
+    if estimate.gpu_hours is None:
+        lines.append(("estimate", "no GPUs requested: no GPU-hours"))
+    else:
+        lines.append((
+            "estimate",
+            f"{estimate.gpu_hours:,.1f} GPU-hours ({estimate.wall_hours:,.2f} h on {estimate.gpus} GPUs), "
+            f"{estimate.flops:.3g} FLOPs",
+        ))
+    return lines
+
+
+def _state_words(state: RunState) -> str:
+    if state.status == "done":
+        return "skip: done"
+    if state.active:
+        return f"skip: {state.status} (job {state.job_id})"
+    if state.last_step:
+        return f"would submit (resumes; last logged step {state.last_step})"
+    return "would submit"
+
+
+def _gpu_hours(estimates: Sequence[Estimate]) -> float:
+    return sum(estimate.gpu_hours or 0.0 for estimate in estimates)
+
+
+def _plan(sweep_name: str, overrides: Sequence[str]) -> tuple[Sweep, list[PlannedRun]] | None:
+    """The sweep and its validated jobs; None (after saying why) when any job is invalid."""
+    try:
+        sweep = load_sweep(sweep_name)
+        return sweep, plan_sweep(sweep, overrides)
+    except (FileNotFoundError, ValueError) as exc:  # ConfigError is a ValueError
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return None
+
+
+def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    plan = _plan(args.sweep, args.overrides)
+    if plan is None:
+        return 2
+    sweep, planned = plan
+    errors = []
+    for job in planned:
+        try:
+            check_profile(job.run)
+        except ConfigError as exc:
+            errors += [(job.number, job.varying, error) for error in exc.errors]
+    if errors:
+        print(f"{PROG}: {ConfigError(job_errors(errors, len(sweep.jobs)))}", file=sys.stderr)
+        return 2
+    estimates = [compute_estimate(job.run, mfu=args.mfu, peak_flops=args.peak_flops) for job in planned]
+    if args.dry_run:
+        return _dry_run(sweep, planned, estimates, args)
+
+    try:
+        queue = Queue.read()
+    except SlurmUnavailable as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    width = len(str(len(planned)))
+    outcomes: Counter[str] = Counter()
+    submitted_hours = 0.0
+    for index, (job, estimate) in enumerate(zip(planned, estimates, strict=True), start=1):
+        try:
+            submission = submit_training(job.run, queue=queue)
+        except SlurmUnavailable as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            print(f"{PROG}: stopped after {outcomes['submitted']} submissions; submit again to continue",
+                  file=sys.stderr)
+            return 1
+        outcomes[submission.action] += 1
+        if submission.action == "submitted":
+            submitted_hours += estimate.gpu_hours or 0.0
+        print(f"[{index:>{width}}/{len(planned)}] {job.run.run_name}: {submission.describe()}", flush=True)
+    print(f"sweep {sweep.name}: submitted {outcomes['submitted']} jobs ({submitted_hours:,.1f} GPU-hours), "
+          f"skipped {outcomes['skipped']}; watch them with: {PROG} status {args.sweep} "
+          f"{' '.join(args.overrides)}".rstrip())
+    return 0
+
+
+def _dry_run(sweep: Sweep, planned: list[PlannedRun], estimates: list[Estimate], args: argparse.Namespace) -> int:
+    queue, queue_problem = _read_queue()
+    described = [_describe_run(job.run, estimate) for job, estimate in zip(planned, estimates, strict=True)]
+    # A value every job has is printed once, above the jobs; the estimate always per job.
+    shared = [(label, value) for label, value in described[0]
+              if label != "estimate" and all((label, value) in lines for lines in described)]
+    print(f"sweep {sweep.name}: {len(planned)} jobs, one SLURM job each")
+    if sweep.description:
+        print(f"  {sweep.description}")
+    for label, value in [("base", " ".join(sweep.base) or "-"),
+                         *([("command line", " ".join(args.overrides))] if args.overrides else []),
+                         *shared]:
+        print(f"  {label:<12} {value}")
+    print(f"  {'estimate':<12} 6 x parameters x training tokens at MFU {args.mfu:g} of "
+          f"{args.peak_flops / 1e12:g} TFLOP/s per GPU")
+    if queue is None:
+        print(f"  queue not read ({queue_problem}): runs already queued are not recognised here")
+    width = len(str(len(planned)))
+    to_submit: list[Estimate] = []
+    for index, (job, estimate, lines) in enumerate(zip(planned, estimates, described, strict=True), start=1):
+        state = run_state(job.run.run_dir, job.run.run_name, queue)
+        if state.status != "done" and not state.active:
+            to_submit.append(estimate)
+        print()
+        print(f"[{index:>{width}}/{len(planned)}] {job.run.run_name}  {_state_words(state)}")
+        own = [line for line in lines if line not in shared]
+        for label, value in [("overrides", " ".join(job.varying) or "(base only)"),
+                             ("run dir", str(job.run.run_dir)), *own]:
+            print(f"    {label:<11} {value}")
+    print()
+    print(f"total: {len(planned)} jobs, {_gpu_hours(estimates):,.1f} GPU-hours; "
+          f"to submit: {len(to_submit)} jobs, {_gpu_hours(to_submit):,.1f} GPU-hours")
+    print("dry run: nothing submitted")
+    return 0
+
+
+def _status(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    plan = _plan(args.sweep, args.overrides)
+    if plan is None:
+        return 2
+    sweep, planned = plan
+    queue, queue_problem = _read_queue()
+    states = [run_state(job.run.run_dir, job.run.run_name, queue) for job in planned]
+    counts = Counter(state.status for state in states)
+    order = ("done", "running", "pending", "failed", "not submitted")
+    print(f"sweep {sweep.name}: {len(planned)} runs (" +
+          ", ".join(f"{counts[status]} {status}" for status in order if counts[status]) + ")")
+    if queue is None:
+        print(f"  queue not read ({queue_problem}): running and pending jobs cannot be told apart from failed ones")
+    rows = [("status", "job", "step", "loss", "run", "overrides")]
+    for job, state in zip(planned, states, strict=True):
+        status = f"{state.status} ({state.detail})" if state.status == "failed" and state.detail else state.status
+        step = f"{state.last_step}/{job.run.train.max_steps}" if state.last_step is not None else "-"
+        loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "-"
+        rows.append((status, state.job_id or "-", step, loss, str(job.run.run_dir), " ".join(job.varying)))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
+    return 0
+
+
+def _list(_parser: argparse.ArgumentParser, _args: argparse.Namespace) -> int:
+    for path in sorted((repo_root() / "sweeps").glob("*.yaml")):
+        sweep = load_sweep(str(path))
+        summary = sweep.description if len(sweep.description) <= 80 else sweep.description[:77] + "..."
+        print(f"{sweep.name:<26} {len(sweep.jobs):>3} jobs  {summary}")
+    return 0
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    overrides_help = "Hydra overrides added to every job (KEY=VALUE), e.g. data.paths='[...]' cluster.partition=gpu"
+
+    submit = commands.add_parser("submit", help="validate every job, then submit the ones not done or queued")
+    submit.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
+    submit.add_argument("overrides", nargs="*", help=overrides_help)
+    submit.add_argument("--dry-run", action="store_true",
+                        help="print every job, its run directory and GPU-hours, and the total; submit nothing")
+    submit.add_argument("--mfu", type=_fraction, default=DEFAULT_MFU,
+                        help=f"model FLOP utilisation for the estimate (default {DEFAULT_MFU})")
+    submit.add_argument("--peak-flops", type=_positive, default=DEFAULT_PEAK_FLOPS,
+                        help=f"peak FLOP/s of one GPU (default {DEFAULT_PEAK_FLOPS:.4g}: H100 SXM, dense bf16)")
+    submit.set_defaults(handler=_submit)
+
+    status = commands.add_parser("status", help="each run: done / running / pending / failed / not submitted")
+    status.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
+    status.add_argument("overrides", nargs="*", help=f"{overrides_help}; the same as at submission")
+    status.set_defaults(handler=_status)
+
+    listing = commands.add_parser("list", help="the sweeps in sweeps/")
+    listing.set_defaults(handler=_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come before or after the options: argparse leaves those after an option over.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if arg.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    return args.handler(parser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
