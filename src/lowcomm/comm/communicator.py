@@ -118,7 +118,7 @@ class Communicator:
         if not self.distributed:
             output.view(-1).copy_(tensor.reshape(-1))
             return _DoneWork([output]) if async_op else None
-        return dist.all_gather_into_tensor(output, tensor.contiguous(), group=self.group, async_op=async_op)
+        return dist.all_gather_single(output, tensor.contiguous(), group=self.group, async_op=async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
@@ -133,7 +133,7 @@ class Communicator:
         if op == "avg":
             tensor = tensor / self.world_size
             op = "sum"
-        return dist.reduce_scatter_tensor(
+        return dist.reduce_scatter_single(
             output, tensor.contiguous(), op=_OPS[op], group=self.group, async_op=async_op
         )
 

@@ -20,7 +20,7 @@ Contract with the loop:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -45,6 +45,27 @@ class OptimizerConfig:
 
     def validate(self) -> list[str]:
         return [] if self.lr > 0 else [f"optimizer.lr must be > 0, got {self.lr}"]
+
+
+@dataclass
+class AdamWFields(OptimizerConfig):
+    """The fields of an AdamW-style update (every-step baselines, inner optimizers, DES-LOC),
+    validated in one place. Defaults: OLMo's (and the DeMo paper's baseline)."""
+
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+    def validate(self) -> list[str]:
+        errors = super().validate()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:
+            errors.append(f"optimizer.eps must be > 0, got {self.eps}")
+        return errors
 
 
 class Strategy:

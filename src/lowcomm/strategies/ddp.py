@@ -10,13 +10,13 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lowcomm.comm import Communicator
-from lowcomm.strategies.base import OptimizerConfig, Strategy, register
+from lowcomm.strategies.base import AdamWFields, Strategy, register
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,21 +72,13 @@ class DDPStrategy(Strategy):
 
 
 @dataclass
-class AdamWDDPConfig(OptimizerConfig):
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+class AdamWDDPConfig(AdamWFields):
     wire_dtype: str = "float32"  # bfloat16 halves the gradient bytes (the paper's baseline is close to it)
 
     def validate(self) -> list[str]:
         errors = super().validate()
         if self.wire_dtype not in WIRE_DTYPES:
             errors.append(f"optimizer.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
-            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         return errors
 
 

@@ -75,9 +75,11 @@ class DeMoStrategy(Strategy):
             settings.update({key: compression[key] for key in settings if key in compression})
         return settings
 
-    def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DeMo]:
+    def make_optimizer(self, model: torch.nn.Module, comm, optimizer_class: type[DeMo] = DeMo) -> DeMo:
+        """DeMo (or a subclass, for FlexDeMo) over the model's trainable parameters, sending
+        through ``comm``, with this config's settings."""
         cfg, codec = self.cfg, self.codec_settings()
-        optimizer = DeMo(
+        return optimizer_class(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr,
             compression_decay=cfg.compression_decay,
@@ -88,9 +90,11 @@ class DeMoStrategy(Strategy):
             projection=cfg.projection,
             base=cfg.base,
             wire=codec["wire"],
-            comm=self.comm,
+            comm=comm,
         )
-        return model, optimizer
+
+    def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DeMo]:
+        return model, self.make_optimizer(model, self.comm)
 
     def wire_collective(self) -> str:
         return "all_gather"

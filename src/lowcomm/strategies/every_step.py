@@ -42,7 +42,7 @@ Three deliberate differences, none of which changes the averaged gradient:
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lowcomm.comm import Communicator
 from lowcomm.optim.grouping import ADJUST_LR_FNS, CombinedOptimizer, muon_adamw
-from lowcomm.strategies.base import OptimizerConfig, register
+from lowcomm.strategies.base import AdamWFields, register
 from lowcomm.strategies.ddp import WIRE_DTYPES, AdamWDDPConfig, DDPStrategy, metered_allreduce_hook
 
 
@@ -333,15 +333,11 @@ def powersgd_hook(
 
 
 @dataclass
-class PowerSGDConfig(OptimizerConfig):
+class PowerSGDConfig(AdamWFields):
     """``configs/optimizer/powersgd.yaml``: AdamW on the PowerSGD-averaged gradient; the other
     fields are ``PowerSGDState``'s (defaults: the DeMo paper's rank 32 and 1000 warm-up steps).
     P, Q and the uncompressed tensors travel in the gradients' dtype."""
 
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     matrix_approximation_rank: int = 32
     start_powerSGD_iter: int = 1000
     min_compression_rate: float = 2.0
@@ -352,10 +348,6 @@ class PowerSGDConfig(OptimizerConfig):
 
     def validate(self) -> list[str]:
         errors = super().validate()
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
-            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if self.matrix_approximation_rank < 1:
             errors.append(f"optimizer.matrix_approximation_rank must be >= 1, got {self.matrix_approximation_rank}")
         if self.start_powerSGD_iter < 0:

@@ -169,21 +169,7 @@ class FlexDeMoStrategy(DeMoStrategy):
         # prepended, so it runs before FSDP's own pre-forward hook issues the root's all-gather
         model.register_forward_pre_hook(self._before_forward, prepend=True)
 
-        cfg, codec = self.cfg, self.codec_settings()
-        optimizer = FlexDeMo(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            compression_decay=cfg.compression_decay,
-            compression_topk=codec["topk"],
-            compression_chunk=codec["chunk"],
-            weight_decay=cfg.weight_decay,
-            momentum_subtraction=cfg.momentum_subtraction,
-            projection=cfg.projection,
-            base=cfg.base,
-            wire=codec["wire"],
-            comm=self.inter,
-        )
-        return model, optimizer
+        return model, self.make_optimizer(model, self.inter, FlexDeMo)
 
     def _before_forward(self, module: FSDPModule, args: tuple) -> None:  # noqa: ARG002 - hook signature
         # FSDP reads the gradient-sync flag in backward, after the loop has left no_sync() (which,

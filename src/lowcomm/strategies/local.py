@@ -8,36 +8,26 @@ same checkpoint, so the workers start from identical parameters without a broadc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from lowcomm.compress.registry import build_codec
 from lowcomm.optim.desloc import DESLoc
 from lowcomm.optim.diloco import DiLoCo
-from lowcomm.strategies.base import OptimizerConfig, Strategy, register
+from lowcomm.strategies.base import AdamWFields, Strategy, register
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _validate_betas(betas: list[float]) -> list[str]:
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        return [f"optimizer.betas must be two numbers in [0, 1), got {betas}"]
-    return []
-
-
 @dataclass
-class DiLoCoConfig(OptimizerConfig):
+class DiLoCoConfig(AdamWFields):
     """``configs/optimizer/diloco.yaml``: inner AdamW (``lr`` is the inner, scheduled lr) and
     the outer Nesterov SGD; ``error_feedback`` is the accumulator beta for a compressed
     pseudo-gradient (null: none)."""
 
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     sync_every: int = 10
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -45,9 +35,7 @@ class DiLoCoConfig(OptimizerConfig):
     error_feedback: float | None = None
 
     def validate(self) -> list[str]:
-        errors = super().validate() + _validate_betas(self.betas)
-        if self.weight_decay < 0:
-            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        errors = super().validate()
         if self.sync_every < 1:
             errors.append(f"optimizer.sync_every must be >= 1, got {self.sync_every}")
         if not self.outer_lr > 0:
@@ -116,13 +104,9 @@ class DiLoCoStrategy(Strategy):
 
 
 @dataclass
-class DESLocConfig(OptimizerConfig):
+class DESLocConfig(AdamWFields):
     """``configs/optimizer/desloc.yaml``. ``sync_u`` / ``sync_v`` null mean 3 and 6 x ``sync_x``."""
 
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     clip: float | None = 1.0
     sync_x: int = 10
     sync_u: int | None = None
@@ -130,9 +114,7 @@ class DESLocConfig(OptimizerConfig):
     bias_correction: bool = False
 
     def validate(self) -> list[str]:
-        errors = super().validate() + _validate_betas(self.betas)
-        if self.weight_decay < 0:
-            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        errors = super().validate()
         if self.clip is not None and not self.clip > 0:
             errors.append(f"optimizer.clip must be null or > 0, got {self.clip}")
         for key in ("sync_x", "sync_u", "sync_v"):
