@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -212,13 +213,22 @@ class Trainer:
         }
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Tear down in an order that cannot deadlock. Gloo's worker threads take the GIL to
+        release a finished collective's tensors; a process group destroyed by the last Python
+        reference to it (DDP's reducer, when the model is garbage-collected) joins those threads
+        while holding the GIL. So: drain the queue, drop the model and optimizer while the group
+        is still registered, give the threads the GIL once, then destroy the group."""
+        if not dist.is_initialized():
+            return
+        self.comm.barrier()
+        self.model = self.optimizer = self.strategy = self.checkpoints = None
+        gc.collect()
+        time.sleep(0.01)  # releases the GIL: gloo's threads finish releasing the last works
+        dist.destroy_process_group()
 
 
 def train(run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None) -> TrainResult:
     trainer = Trainer(run, env, should_stop)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    result = trainer.fit()
+    trainer.close()  # only after success: its barrier would wait forever for a failed rank
+    return result

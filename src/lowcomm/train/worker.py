@@ -4,7 +4,9 @@ rank and world in its environment (the local launcher, torchrun or a SLURM task 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 import warnings
 
 from omegaconf import OmegaConf
@@ -30,4 +32,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leave with os._exit, skipping the interpreter's teardown: its destructor order (torch's
+    # C++ threads against the GIL) can hang a finished worker, and a failed one must exit at
+    # once so that the launcher sees it and stops the other ranks.
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001 - report, then exit without teardown
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
