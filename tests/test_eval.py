@@ -341,3 +341,28 @@ def test_cli_evaluates_a_tiny_checkpoint_end_to_end(tmp_path, capsys):
     assert result["tasks"]["arc_easy"]["acc"] == pytest.approx(acc)
     assert result["tasks"]["arc_easy"]["acc_norm"] == pytest.approx(acc_norm)
     assert str(tmp_path / "run") in captured.out  # the summary table
+
+
+@pytest.mark.slurm
+def test_the_evaluation_runs_as_one_slurm_job_over_several_runs(tmp_path, slurm_results):
+    from lowcomm.eval.cli import build_parser, expand_run_dirs, submit_to_slurm
+
+    make_run(tmp_path / "run_a", step=3)
+    make_run(tmp_path / "run_b", step=4)
+    args = build_parser().parse_args([
+        str(tmp_path / "run_*"), "--tasks", "piqa", "--limit", "2", "--device", "cpu", "--slurm",
+        "--cluster-override", "cluster.gpus_per_node=0", "--cluster-override", "cluster.cpus_per_task=1",
+    ])
+    job = submit_to_slurm(args, expand_run_dirs(args.run_dirs))
+    assert slurm_results(job, timeout_s=300) == [0]  # the job's own lowcomm-eval exit code
+    for run, step in (("run_a", 3), ("run_b", 4)):
+        result = json.loads((tmp_path / run / "eval" / f"step_{step:09d}.json").read_text())
+        assert set(result["tasks"]) == {"piqa"} and result["tasks"]["piqa"]["documents_scored"] == 2
+
+
+def test_slurm_submission_refuses_runs_without_checkpoints_before_submitting(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text("model: {}\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty"), "--slurm"])
+    assert "holds no complete checkpoint" in capsys.readouterr().err

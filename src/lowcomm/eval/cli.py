@@ -55,7 +55,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1, ..."
     )
+    parser.add_argument(
+        "--slurm", action="store_true",
+        help="submit this evaluation as one SLURM job (profile: --cluster) instead of running it here",
+    )
+    parser.add_argument("--cluster", default="slurm_eval", help="cluster profile for --slurm (configs/cluster/)")
+    parser.add_argument(
+        "--cluster-override", action="append", default=[], metavar="KEY=VALUE",
+        help="Hydra override of the profile, e.g. cluster.partition=gpu cluster.timeout_min=60 (repeatable)",
+    )
     return parser
+
+
+def submit_to_slurm(args: argparse.Namespace, run_dirs: list[Path]):
+    """Submit this evaluation (same options, without --slurm) as one job of the ``--cluster``
+    profile; it evaluates the run directories one checkpoint after another. Returns the job."""
+    from lowcomm.launch.slurm import make_executor
+    from lowcomm.train.cli import compose
+
+    cluster = compose([f"cluster={args.cluster}", *args.cluster_override]).cluster
+    folder = run_dirs[0].resolve().parent / "slurm_eval"
+    executor = make_executor(folder / "%j", cluster, job_name=f"lowcomm-eval-{run_dirs[0].parent.name}")
+    job_argv = [*(str(d.resolve()) for d in run_dirs), "--tasks", *args.tasks, "--batch-size",
+                str(args.batch_size), "--device", args.device]
+    if args.limit:
+        job_argv += ["--limit", str(args.limit)]
+    if args.step is not None:
+        job_argv += ["--step", str(args.step)]
+    if args.all_checkpoints:
+        job_argv.append("--all-checkpoints")
+    job = executor.submit(main, job_argv)
+    print(f"submitted evaluation job {job.job_id} for {len(run_dirs)} run(s); logs: {folder / job.job_id}/",
+          file=sys.stderr)
+    print(f"results land in <run_dir>/eval/step_*.json; watch with: squeue -j {job.job_id}", file=sys.stderr)
+    return job
 
 
 def expand_run_dirs(patterns: list[str]) -> list[Path]:
@@ -110,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     tasks = resolve_tasks(args.tasks)
+    if args.slurm:
+        try:
+            run_dirs = expand_run_dirs(args.run_dirs)
+            for run_dir in run_dirs:  # fail here, not in the queue, when there is nothing to evaluate
+                select_checkpoints(run_dir, step=args.step, all_checkpoints=args.all_checkpoints)
+        except CheckpointError as exc:
+            parser.error(str(exc))
+        submit_to_slurm(args, run_dirs)
+        return 0
     try:
         checkpoints = [
             checkpoint
