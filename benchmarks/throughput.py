@@ -74,7 +74,9 @@ def _lowcomm_loop(run) -> float:
     from lowcomm.train.loop import Trainer
     from lowcomm.train.metrics import read_metrics
 
-    env = DistEnv(torch.distributed.get_rank(), torch.distributed.get_world_size(), 0, 1)
+    world = torch.distributed.get_world_size()
+    # as the local launcher sets it: one node, so the Trainer takes cores / W threads per worker
+    env = DistEnv(torch.distributed.get_rank(), world, torch.distributed.get_rank(), world)
     trainer = Trainer(run, env)
     trainer.fit()
     if trainer.comm.rank != 0:
