@@ -150,17 +150,6 @@ def reference_run(world: int, options: dict, steps: int = STEPS) -> list[list[to
     return history
 
 
-def portable(results) -> bytes:
-    """Tensors leave a worker as bytes: a queue would pass shared-memory handles that die with it."""
-    buffer = io.BytesIO()
-    torch.save(results, buffer)
-    return buffer.getvalue()
-
-
-def spawn(fn, world: int, *args) -> list:
-    return [torch.load(io.BytesIO(blob)) for blob in spawn_workers(fn, world, *args)]
-
-
 def assert_close_relative(actual, expected, tolerance, where=""):
     error = (actual - expected).norm() / expected.norm()
     assert error <= tolerance, f"{where}: relative error {error:.3e} > {tolerance}"
@@ -174,12 +163,12 @@ def _compare_worker(rank: int, world: int, runs: dict) -> bytes:  # noqa: ARG001
         params = initial_params()
         optimizer = make_demo(params, overrides)
         results[name] = run_steps(optimizer, params, rank, range(STEPS))
-    return portable(results)
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_workers():
-    return spawn(_compare_worker, 2, RUNS)
+    return spawn_workers(_compare_worker, 2, RUNS)
 
 
 @pytest.mark.slow
@@ -221,13 +210,13 @@ def _bytes_worker(rank: int, world: int) -> bytes:  # noqa: ARG001
         history = run_steps(optimizer, params, rank, range(2))
         breakdown = comm.meter.breakdown(cumulative=False)["data/world/all_gather"]
         results[wire] = {"step": comm.meter.end_step(), "calls": breakdown["calls"], "history": history}
-    return portable(results)
+    return results
 
 
 @pytest.mark.slow
 @IGNORE_CHUNK_1
 def test_payload_bytes_of_a_four_worker_run_match_the_wire_formats():
-    results = spawn(_bytes_worker, 4)
+    results = spawn_workers(_bytes_worker, 4)
     for wire in ("paper", "compact", "sign"):
         payload, tensors = expected_payload_bytes(wire)
         assert demo_payload_bytes(SHAPES, chunk=CHUNK, topk=TOPK, wire=wire) == payload

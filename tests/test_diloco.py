@@ -105,20 +105,12 @@ def _worker(rank: int, world_size: int) -> dict:  # noqa: ARG001 - spawn_workers
     optimizer.load_state_dict(saved["optimizer"])
     history, _ = _train(model, optimizer, comm, rank, range(6, STEPS + 1))
     results["resumed_final"] = history[-1]
-    # Tensors returned through spawn_workers' queue would travel as shared-memory handles that
-    # die with the worker: send plain bytes instead.
-    return _to_bytes(results)
-
-
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+    return results
 
 
 @pytest.fixture(scope="module")
 def worker_results() -> list[dict]:
-    return [torch.load(io.BytesIO(blob)) for blob in spawn_workers(_worker, WORLD)]
+    return spawn_workers(_worker, WORLD)
 
 
 def _dense_topk(tensor: torch.Tensor, fraction: float) -> torch.Tensor:

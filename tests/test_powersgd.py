@@ -84,18 +84,12 @@ def _reducer_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spaw
     resumed = _reducer(comm, params, **LOW_RANK)
     resumed.load_state_dict(torch.load(buffer))
     results["resumed"], _ = _steps(resumed, comm, rank, range(1, STEPS))
-    return _to_bytes(results)
-
-
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+    return results
 
 
 @pytest.fixture(scope="module")
 def reducer_results() -> list[dict]:
-    return [torch.load(io.BytesIO(blob)) for blob in spawn_workers(_reducer_worker, WORLD)]
+    return spawn_workers(_reducer_worker, WORLD)
 
 
 def _mean_over_ranks(name: str, step: int) -> torch.Tensor:
@@ -186,13 +180,13 @@ def _ddp_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_wo
             "ddp": {name: p.grad.clone() for name, p in ddp.module.named_parameters()},
             "local": {name: p.grad.clone() for name, p in local.named_parameters()},
         })
-    return _to_bytes({"steps": steps, "iteration": strategy.reducer.iteration})
+    return {"steps": steps, "iteration": strategy.reducer.iteration}
 
 
 @pytest.mark.slow
 def test_the_ddp_hook_averages_exactly_at_full_rank():
     """Tiny OLMo, rank 64 >= min(n, m) of every matrix, every matrix compressed from step 0."""
-    results = [torch.load(io.BytesIO(blob)) for blob in spawn_workers(_ddp_worker, WORLD)]
+    results = spawn_workers(_ddp_worker, WORLD)
     shapes = dict(build_model(ModelSpec(), "meta").named_parameters())
     assert all((n + m) * min(n, m) * 0.25 < n * m for n, m in (p.shape for p in shapes.values()))
     for step in range(2):

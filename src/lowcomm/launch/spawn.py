@@ -23,6 +23,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _serialize(obj) -> bytes:
+    # Tensors put on a multiprocessing queue travel as shared-memory handles that die with the
+    # worker; plain bytes survive it.
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(blob: bytes):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
 def _entry(rank, world_size, port, fn, args, queue, threads):
     import torch
     import torch.distributed as dist
@@ -33,7 +53,7 @@ def _entry(rank, world_size, port, fn, args, queue, threads):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         dist.barrier()
-        queue.put((rank, True, result))
+        queue.put((rank, True, _serialize(result)))
     except BaseException:  # noqa: BLE001 - report anything to the parent, then die
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -60,7 +80,7 @@ def spawn_workers(
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout_s)
             if ok:
-                results[rank] = value
+                results[rank] = _deserialize(value)
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
                 break
