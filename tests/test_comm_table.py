@@ -56,3 +56,13 @@ def test_bf16_gradient_wire_halves_the_metered_bytes(tmp_path):
     launch_local(run)
     n_params = count_parameters(build_model(run.model, "meta"))
     assert [r["comm/payload_bytes"] for r in read_metrics(run.run_dir / "metrics.jsonl")] == [2 * n_params] * 2
+
+
+def test_powersgd_rows_before_and_after_its_warm_up(paper_table):
+    rows = {(row.model, row.label): row for row in paper_table}
+    before = rows[("olmo_1b", "PowerSGD r=32 (before warm-up)")]
+    after = rows[("olmo_1b", "PowerSGD r=32 (after warm-up)")]
+    assert before.payload_mb == rows[("olmo_1b", "AdamW-DDP")].payload_mb  # dense, every element once
+    # every OLMo matrix compresses at rank 32: (n + m) x 32 fp32 elements each
+    model_shapes = [(50304, 2048)] + [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 16
+    assert after.payload_mb == pytest.approx(sum((n + m) * 32 * 4 for n, m in model_shapes) / 1e6)

@@ -6,6 +6,7 @@ tx/rx per worker for a given world size and the paper's Tx MB/step beside DeMo's
     lowcomm-comm-table --model olmo_1b --world-size 64
     lowcomm-comm-table --row "optimizer=flexdemo" --gpus-per-node 8      # intra / inter node rows
     lowcomm-comm-table --row "optimizer=diloco optimizer.sync_every=30" --row "optimizer=demo optimizer.wire=sign"
+    lowcomm-comm-table --row "optimizer=powersgd +phase=warmup"      # PowerSGD before compression starts
 
 MB = 1e6 bytes, per worker and optimizer step (amortised over sync periods), as in the paper.
 A strategy whose traffic crosses two links (FlexDeMo: inside a node, across nodes) gets one row
@@ -35,6 +36,7 @@ PAPER_MODEL = {"olmo_300m": "300M", "olmo_1b": "1B"}
 # Every peer at the settings the quickstart and the paper's comparisons use.
 PEER_ROWS: list[tuple[str, list[str]]] = [
     ("Muon-DDP", ["optimizer=muon_ddp"]),
+    ("PowerSGD r=32 (before warm-up)", ["optimizer=powersgd", "+phase=warmup"]),
     ("PowerSGD r=32 (after warm-up)", ["optimizer=powersgd"]),
     ("DiLoCo H=10", ["optimizer=diloco", "optimizer.sync_every=10"]),
     ("DiLoCo H=10, 2-bit quantized", ["optimizer=diloco", "optimizer.sync_every=10", "compression=quantize"]),
@@ -100,7 +102,9 @@ def measure(
 ) -> tuple[float, float, float, dict[str, tuple[float, float, float]]]:
     """(payload, tx, rx) bytes per worker and step for one optimizer config, and the same per
     link (scope) for strategies that report them (else an empty dict)."""
-    raw = _compose_groups([f"model={model_name}", *overrides])
+    # "+phase=warmup": a strategy's bytes before its compression starts (PowerSGD's warm-up)
+    warmup = "+phase=warmup" in overrides
+    raw = _compose_groups([f"model={model_name}", *(o for o in overrides if o != "+phase=warmup")])
     strategy_cls, optimizer_cfg = validate_optimizer(raw)
     strategy = strategy_cls(optimizer_cfg, raw["compression"], Communicator())
     model = meta_model if meta_model is not None else build_model(ModelSpec(**raw["model"]), "meta")
@@ -108,7 +112,7 @@ def measure(
         scopes = strategy.analytic_scope_bytes(model, world_size, gpus_per_node)
         payload, tx, rx = (sum(values[i] for values in scopes.values()) for i in range(3))
         return payload, tx, rx, scopes
-    payload = strategy.analytic_payload_bytes(model)
+    payload = strategy.warmup_payload_bytes(model) if warmup else strategy.analytic_payload_bytes(model)
     formula = ring_all_gather_bytes if strategy.wire_collective() == "all_gather" else ring_all_reduce_bytes
     # the formulas work on integers; scale up and down to keep amortised fractions exact enough
     tx, rx = formula(int(round(payload * 1000)), world_size)
