@@ -1,8 +1,9 @@
 """DES-LOC on three real gloo workers against a plain simulation of its equations.
 
 The simulation below holds three copies of (theta, m, v) and applies, at step t = 1..20:
-clip g; if t % K_u == 0 replace every worker's m by the mean; m update; likewise v; Adam(W)
-update; if t % K_x == 0 replace every worker's theta by the mean (after the update).
+gradient at each worker's own theta; clip g; if t % K_u == 0 replace every worker's m by the
+mean; m update; likewise v; if t % K_x == 0 replace every worker's theta by the mean; then the
+local Adam(W) update from it (the paper's equations).
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ def _simulate(kwargs: dict) -> tuple[list[list[list[torch.Tensor]]], int]:
             replace_by_mean(m)
         if t % sync_v == 0:
             replace_by_mean(v)
+        if t % sync_x == 0:
+            replace_by_mean(theta)
         for rank in range(WORLD):
             for i, g in enumerate(grads[rank]):
                 m[rank][i] = beta1 * m[rank][i] + (1 - beta1) * g
@@ -144,8 +147,6 @@ def _simulate(kwargs: dict) -> tuple[list[list[list[torch.Tensor]]], int]:
                 v_hat = v[rank][i] / (1 - beta2**t) if bias_correction else v[rank][i]
                 decayed = theta[rank][i] * (1 - lr * weight_decay)
                 theta[rank][i] = decayed - lr * m_hat / (v_hat.sqrt() + eps)
-        if t % sync_x == 0:
-            replace_by_mean(theta)
         history.append([[p.clone() for p in theta[rank]] for rank in range(WORLD)])
     return history, clipped
 
@@ -168,15 +169,14 @@ def test_matches_simulation_of_the_equations(worker_results, run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
-def test_ranks_agree_exactly_after_parameter_syncs_only(worker_results, run):
+def test_the_parameter_average_is_taken_before_the_local_update(worker_results, run):
+    """Right after a step with t % K_x == 0, theta_{t+1} = mean(theta_t) - lr u_t^m: the workers
+    still differ by their own updates (averaging after the update would make them equal)."""
     sync_x = RUNS[run]["sync_x"]
-    for step in range(1, STEPS + 1):
-        per_rank = [
-            torch.cat([p.flatten() for p in worker_results[r][run]["history"][step - 1]])
-            for r in range(WORLD)
-        ]
-        identical = all(torch.equal(per_rank[0], other) for other in per_rank[1:])
-        assert identical == (step % sync_x == 0), f"{run}: step {step}"
+    for step in range(sync_x, STEPS + 1, sync_x):
+        per_rank = [torch.cat([p.flatten() for p in worker_results[r][run]["history"][step - 1]])
+                    for r in range(WORLD)]
+        assert not all(torch.equal(per_rank[0], other) for other in per_rank[1:]), f"{run}: step {step}"
 
 
 @pytest.mark.slow

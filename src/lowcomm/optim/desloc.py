@@ -1,23 +1,20 @@
 """DES-LOC (Iacob et al., arXiv 2505.22549): local Adam whose parameters, first moment and
 second moment are each averaged over the workers on their own period.
 
-Step t = 1, 2, ... (``t`` counts calls to ``step()``) on worker m, with local gradient g::
+Step t = 1, 2, ... (``t`` counts calls to ``step()``) on worker m, with the local gradient g
+taken at the worker's own theta_t, exactly the paper's equations::
 
     g   <- clip(g, -rho, rho)                              # per coordinate
     if t % K_u == 0:  m <- mean_workers(m)                 # m_{t-1}, before it is used
     m   <- beta1 m + (1 - beta1) g
     if t % K_v == 0:  v <- mean_workers(v)                 # v_{t-1}, before it is used
     v   <- beta2 v + (1 - beta2) g * g
+    if t % K_x == 0:  theta <- mean_workers(theta)         # theta_t, before the update
     theta <- theta (1 - lr wd)                             # decoupled weight decay (AdamW)
     theta <- theta - lr m_hat / (sqrt(v_hat) + eps)        # m_hat = m, v_hat = v unless bias_correction
-    if t % K_x == 0:  theta <- mean_workers(theta)         # after the update
 
-The moment averages follow the paper's equations exactly (m_{t-1}, v_{t-1} replaced by their
-worker means at t mod K == 0). The parameter average is taken after step t's update, so
-theta_{t+1} = mean_m(theta_t^m - lr u_t^m) and the next gradient is evaluated at the
-consensus point, as in Local SGD / Local Adam; after a step with t % K_x == 0 every worker
-holds the same parameters. (The equation in notes/algorithms.md averages theta_t before
-adding the local update, which leaves workers apart right after a sync.)
+So theta_{t+1}^m = mean(theta_t) - lr u_t^m: right after a step with t % K_x == 0 the workers
+differ by their own updates only, and every state is averaged before it is next used.
 
 Bytes: at step t, one all-reduce of each state whose period divides t (the parameters' dtype);
 amortised, numel * bytes * (1/K_x + 1/K_u + 1/K_v) per step.
@@ -107,6 +104,8 @@ class DESLoc(torch.optim.Optimizer):
             self._average([self.state[p]["exp_avg"] for p in params])
         if step % self.sync_v == 0:
             self._average([self.state[p]["exp_avg_sq"] for p in params])
+        if step % self.sync_x == 0:
+            self._average(params)
 
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -124,9 +123,6 @@ class DESLoc(torch.optim.Optimizer):
                     p.mul_(1 - lr * group["weight_decay"])
                 denominator = (exp_avg_sq.sqrt() / second_moment_scale).add_(group["eps"])
                 p.addcdiv_(exp_avg, denominator, value=-step_size)
-
-        if step % self.sync_x == 0:
-            self._average(params)
         self.steps_taken = step
         return loss
 
