@@ -79,3 +79,8 @@ def test_run_names_are_deterministic_and_ignore_logistics(tmp_path):
     c = tiny_run(tmp_path, "optimizer.lr=1e-3")
     assert a.run_name == b.run_name
     assert a.run_name != c.run_name and a.run_name.startswith("tiny-adamw_ddp-w2-")
+
+
+def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_path):
+    message = _error(tmp_path, "cluster=slurm_debug", "cluster.gpus_per_node=4", "train.global_batch_size=8")
+    assert "cluster.tasks_per_node (2) must equal cluster.gpus_per_node (4)" in message

@@ -373,3 +373,14 @@ def test_command_lines_write_and_print_their_outputs(run_root, paper_csv, tmp_pa
     with pytest.raises(SystemExit):
         table1_main(["--runs", str(tmp_path / "nothing*")])
     assert "no run directory found" in capsys.readouterr().err
+
+
+def test_a_metrics_line_being_written_is_skipped_and_a_corrupt_one_is_named(tmp_path):
+    from lowcomm.train.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "train/loss": 3.0}\n{"step": 2, "train/lo')
+    assert read_metrics(path) == [{"step": 1, "train/loss": 3.0}]
+    path.write_text('{"step": 1, "train/lo\n{"step": 2, "train/loss": 2.5}\n')
+    with pytest.raises(ValueError, match=f"{path}:1 is not valid JSON"):
+        read_metrics(path)

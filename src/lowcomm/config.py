@@ -209,8 +209,13 @@ def validate(cfg: DictConfig | dict) -> RunConfig:
         _one_of(cluster.device, ("auto", "cpu", "cuda"), "cluster.device", errors)
         if cluster.launcher == "local" and cluster.workers < 1:
             errors.append(f"cluster.workers must be >= 1, got {cluster.workers}")
-        if cluster.launcher == "slurm" and (cluster.nodes < 1 or cluster.tasks_per_node < 1):
-            errors.append("cluster.nodes and cluster.tasks_per_node must be >= 1")
+        if cluster.launcher == "slurm":
+            from lowcomm.launch.slurm import slurm_profile
+
+            try:  # the SLURM fields are checked where they become submitit parameters
+                slurm_profile(cluster)
+            except ValueError as exc:
+                errors.append(str(exc))
     if wandb is not None:
         _one_of(wandb.mode, ("offline", "online", "disabled"), "wandb.mode", errors)
     if train is not None:

@@ -14,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from lowcomm.config import ConfigError, repo_root, validate
+from lowcomm.config import ConfigError, repo_root
 from lowcomm.launch.local import WorkerFailure, launch_local
-from lowcomm.launch.sweep import load_sweep
+from lowcomm.launch.sweep import load_sweep, plan_sweep
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.runs import load_run
 from lowcomm.report.tables import markdown_table, summary_columns, summary_rows, write_csv
-from lowcomm.train.cli import compose
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Validate every run before the first one starts.
     try:
-        runs = [validate(compose(job + args.overrides)) for job in sweep.jobs]
+        runs = [planned.run for planned in plan_sweep(sweep, args.overrides)]
     except ConfigError as exc:
         print(f"quickstart: {exc}", file=sys.stderr)
         return 2

@@ -60,6 +60,7 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from lowcomm.config import ConfigError
+from lowcomm.train.metrics import METRICS, read_metrics
 
 if TYPE_CHECKING:
     from lowcomm.config import RunConfig
@@ -471,14 +472,7 @@ def last_submission(run_dir: Path) -> dict[str, Any] | None:
 
 def last_logged(run_dir: Path) -> tuple[int | None, float | None]:
     """Step and training loss of the last ``train/loss`` record in ``metrics.jsonl``."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None, None
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written right now
-            continue
+    for record in reversed(read_metrics(Path(run_dir) / METRICS)):
         if "train/loss" in record:
             return int(record["step"]), float(record["train/loss"])
     return None, None

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from lowcomm.train.metrics import METRICS, read_metrics
+
 # How the papers and this repository's README name each optimizer config.
 OPTIMIZER_NAMES = {
     "adamw_ddp": "AdamW-DDP", "muon_ddp": "Muon-DDP", "powersgd": "PowerSGD", "demo": "DeMo",
@@ -150,15 +152,7 @@ def load_run(path: str | Path) -> RunRecord:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing: {path} is not a lowcomm run directory")
-    metrics_file = path / "metrics.jsonl"
-    metrics = []
-    if metrics_file.is_file():
-        for line_no, line in enumerate(metrics_file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    metrics.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{metrics_file}:{line_no} is not valid JSON: {exc}") from exc
+    metrics = read_metrics(path / METRICS)
     summary_file = path / "summary.json"
     evals = {}
     # lowcomm-eval writes step_XXXXXXXXX.json atomically through a hidden temporary file; the

@@ -39,12 +39,10 @@ def sweep_run_dirs(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> l
     sweep's order, with ``overrides`` added to every job (e.g. ``run_root=/scratch/runs``).
 
     Raises :class:`lowcomm.config.ConfigError` when a job's config is invalid."""
-    from lowcomm.config import validate
-    from lowcomm.launch.sweep import load_sweep
-    from lowcomm.train.cli import compose
+    from lowcomm.launch.sweep import load_sweep, plan_sweep
 
-    run_dirs = [validate(compose([*job, *overrides])).run_dir for job in load_sweep(sweep).jobs]
-    return list(dict.fromkeys(run_dirs))  # two jobs with the same config share one directory
+    # plan_sweep keeps one job per run directory (two jobs with the same config share one)
+    return [planned.run.run_dir for planned in plan_sweep(load_sweep(sweep), overrides)]
 
 
 def select_by_sweep(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> Selection:

@@ -17,16 +17,32 @@ def truncate_after(path: Path, step: int) -> int:
     """Drop records logged after ``step`` (a resumed run re-logs them); return how many."""
     if not path.is_file():
         return 0
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    records = read_metrics(path)
+    kept = [record for record in records if record["step"] <= step]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(tmp, path)
-    return len(lines) - len(kept)
+    return len(records) - len(kept)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl`` (none if it does not exist yet). A last line that does
+    not parse is one being written right now and is skipped; a bad line anywhere else is an
+    error naming the file and line."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if line_no == len(lines):
+                break
+            raise ValueError(f"{path}:{line_no} is not valid JSON: {exc}") from exc
+    return records
 
 
 class MetricsWriter:
