@@ -46,6 +46,8 @@ def test_custom_rows_and_bad_rows_on_the_command_line(capsys):
     assert main(["--model", "olmo_1b", "--row", "optimizer=demo optimizer.wire=compact"]) == 0
     out = capsys.readouterr().out
     assert "36.774" in out  # 4 bytes per coefficient: a third of the paper wire's 110.322
+    assert main(["--model", "olmo_1b", "--warmup", "--row", "optimizer=powersgd"]) == 0
+    assert "4707.058" in capsys.readouterr().out  # before the warm-up ends: the dense gradient
     assert main(["--model", "olmo_1b", "--row", "optimizer=demo optimizer.wire=smoke"]) == 2
     assert "optimizer.wire must be one of" in capsys.readouterr().err
 

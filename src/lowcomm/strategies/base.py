@@ -114,6 +114,11 @@ class Strategy:
         (``model`` may be on the meta device). Used by ``lowcomm-comm-table``."""
         raise NotImplementedError(f"strategy {self.name!r} has no analytic byte count")
 
+    def warmup_payload_bytes(self, model: torch.nn.Module) -> float:
+        """Payload bytes per step before the strategy's compression starts (PowerSGD's warm-up);
+        the same as :meth:`analytic_payload_bytes` for strategies without a warm-up."""
+        return self.analytic_payload_bytes(model)
+
     def wire_collective(self) -> str:
         """The collective that carries the payload (it sets tx/rx per worker for a given W)."""
         return "all_reduce"

@@ -6,7 +6,7 @@ tx/rx per worker for a given world size and the paper's Tx MB/step beside DeMo's
     lowcomm-comm-table --model olmo_1b --world-size 64
     lowcomm-comm-table --row "optimizer=flexdemo" --gpus-per-node 8      # intra / inter node rows
     lowcomm-comm-table --row "optimizer=diloco optimizer.sync_every=30" --row "optimizer=demo optimizer.wire=sign"
-    lowcomm-comm-table --row "optimizer=powersgd +phase=warmup"      # PowerSGD before compression starts
+    lowcomm-comm-table --warmup --row "optimizer=powersgd"          # PowerSGD before compression starts
 
 MB = 1e6 bytes, per worker and optimizer step (amortised over sync periods), as in the paper.
 A strategy whose traffic crosses two links (FlexDeMo: inside a node, across nodes) gets one row
@@ -34,15 +34,16 @@ MODELS = ("olmo_300m", "olmo_1b")
 PAPER_MODEL = {"olmo_300m": "300M", "olmo_1b": "1B"}
 
 # Every peer at the settings the quickstart and the paper's comparisons use.
-PEER_ROWS: list[tuple[str, list[str]]] = [
-    ("Muon-DDP", ["optimizer=muon_ddp"]),
-    ("PowerSGD r=32 (before warm-up)", ["optimizer=powersgd", "+phase=warmup"]),
-    ("PowerSGD r=32 (after warm-up)", ["optimizer=powersgd"]),
-    ("DiLoCo H=10", ["optimizer=diloco", "optimizer.sync_every=10"]),
-    ("DiLoCo H=10, 2-bit quantized", ["optimizer=diloco", "optimizer.sync_every=10", "compression=quantize"]),
-    ("DES-LOC Kx=10", ["optimizer=desloc", "optimizer.sync_x=10"]),
-    ("MuLoCo H=30, 2-bit quantized", ["optimizer=muloco", "compression=quantize", "compression.bits=2"]),
-    ("FlexDeMo |S|=8", ["optimizer=flexdemo", "optimizer.shard_group_size=8"]),
+# (label, overrides, warm-up phase: the bytes before a strategy's compression starts)
+PEER_ROWS: list[tuple[str, list[str], bool]] = [
+    ("Muon-DDP", ["optimizer=muon_ddp"], False),
+    ("PowerSGD r=32 (before warm-up)", ["optimizer=powersgd"], True),
+    ("PowerSGD r=32 (after warm-up)", ["optimizer=powersgd"], False),
+    ("DiLoCo H=10", ["optimizer=diloco", "optimizer.sync_every=10"], False),
+    ("DiLoCo H=10, 2-bit quantized", ["optimizer=diloco", "optimizer.sync_every=10", "compression=quantize"], False),
+    ("DES-LOC Kx=10", ["optimizer=desloc", "optimizer.sync_x=10"], False),
+    ("MuLoCo H=30, 2-bit quantized", ["optimizer=muloco", "compression=quantize", "compression.bits=2"], False),
+    ("FlexDeMo |S|=8", ["optimizer=flexdemo", "optimizer.shard_group_size=8"], False),
 ]
 GPUS_PER_NODE = 8  # the paper's nodes
 
@@ -98,13 +99,12 @@ def _compose_groups(overrides: list[str]) -> dict:
 
 
 def measure(
-    model_name: str, overrides: list[str], world_size: int, meta_model=None, gpus_per_node: int = GPUS_PER_NODE
+    model_name: str, overrides: list[str], world_size: int, meta_model=None, gpus_per_node: int = GPUS_PER_NODE,
+    warmup: bool = False,
 ) -> tuple[float, float, float, dict[str, tuple[float, float, float]]]:
-    """(payload, tx, rx) bytes per worker and step for one optimizer config, and the same per
-    link (scope) for strategies that report them (else an empty dict)."""
-    # "+phase=warmup": a strategy's bytes before its compression starts (PowerSGD's warm-up)
-    warmup = "+phase=warmup" in overrides
-    raw = _compose_groups([f"model={model_name}", *(o for o in overrides if o != "+phase=warmup")])
+    """(payload, tx, rx) bytes per worker and step for one optimizer config (``warmup``: before
+    its compression starts), and the same per link (scope) for strategies that report them."""
+    raw = _compose_groups([f"model={model_name}", *overrides])
     strategy_cls, optimizer_cfg = validate_optimizer(raw)
     strategy = strategy_cls(optimizer_cfg, raw["compression"], Communicator())
     model = meta_model if meta_model is not None else build_model(ModelSpec(**raw["model"]), "meta")
@@ -120,17 +120,22 @@ def measure(
 
 
 def build_table(
-    models: list[str], world_size: int, rows: list[tuple[str, list[str]]] | None, gpus_per_node: int = GPUS_PER_NODE
+    models: list[str], world_size: int, rows: list[tuple[str, list[str], bool]] | None,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> list[Row]:
+    """``rows``: (label, overrides, warm-up phase) per optimizer config; None: the paper's rows
+    and every peer."""
     table = []
     for model_name in models:
         raw = _compose_groups([f"model={model_name}"])
         meta_model = build_model(ModelSpec(**raw["model"]), "meta")
         custom = rows is not None
-        specs = [(label, ov, None) for label, ov in rows] if custom else (
-            paper_rows(model_name) + [(label, ov, None) for label, ov in PEER_ROWS])
-        for label, overrides, paper_mb in specs:
-            payload, tx, rx, scopes = measure(model_name, overrides, world_size, meta_model, gpus_per_node)
+        specs = [(label, ov, None, warmup) for label, ov, warmup in rows] if custom else (
+            [(label, ov, mb, False) for label, ov, mb in paper_rows(model_name)]
+            + [(label, ov, None, warmup) for label, ov, warmup in PEER_ROWS])
+        for label, overrides, paper_mb, warmup in specs:
+            payload, tx, rx, scopes = measure(model_name, overrides, world_size, meta_model, gpus_per_node,
+                                              warmup=warmup)
             table.append(Row(model_name, label, payload / 1e6, tx / 1e6, rx / 1e6, paper_mb))
             for scope, (scope_payload, scope_tx, scope_rx) in scopes.items():
                 table.append(Row(model_name, f"{label}: {scope}", scope_payload / 1e6, scope_tx / 1e6, scope_rx / 1e6))
@@ -159,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks per node, for strategies grouped by node (default: the paper's 8)")
     parser.add_argument("--row", action="append", metavar="OVERRIDES",
                         help="an optimizer config as Hydra overrides (repeatable); replaces the default rows")
+    parser.add_argument("--warmup", action="store_true",
+                        help="--row bytes before compression starts (PowerSGD's warm-up steps)")
     parser.add_argument("--csv", type=Path, help="also write the table as CSV")
     args = parser.parse_args(argv)
-    rows = [(spec, shlex.split(spec)) for spec in args.row] if args.row else None
+    rows = [(spec, shlex.split(spec), args.warmup) for spec in args.row] if args.row else None
     try:
         table = build_table(args.model, args.world_size, rows, args.gpus_per_node)
     except ConfigError as exc:
