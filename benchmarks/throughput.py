@@ -3,7 +3,9 @@
 Same model (tiny OLMo by default), same global batch, micro-batches and sequence length, same
 workers (gloo on CPU, NCCL with ``--device cuda``, one GPU per worker), same data files, same
 AdamW, clipping and LR schedule. Both loops run in the same worker processes, alternating, and
-the best of ``--repeats`` windows of each is compared, so the ratio is measured in one run:
+the best of ``--repeats`` windows of each is compared, so the ratio is measured in one run. The
+bare loop is always AdamW-DDP: with another lowcomm optimizer (``optimizer=demo``) the ratio is
+that optimizer's whole-step cost against the baseline's:
 
     python benchmarks/throughput.py [--workers 4] [--steps 40] [--repeats 3] [overrides...]
     python benchmarks/throughput.py --device cuda --workers 8 model=olmo_300m \
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 H100_PEAK_FLOPS = 989e12  # dense bf16 tensor cores, SXM
+_OPTIMIZER_KEYS = ("optimizer", "compression")  # overrides that pick lowcomm's optimizer, not the baseline's
 
 
 def _sync(device: torch.device) -> None:
@@ -132,17 +135,19 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
     if device_type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    run = validate(compose([f"cluster.workers={world}", f"cluster.device={device_type}", "wandb.mode=disabled",
-                            f"run_root={root}",
-                            "train.eval_every=0", "train.checkpoint_every=0", "train.eval_instances=8",
-                            f"train.max_steps={2 * steps}", "train.warmup_steps=3", f"train.log_every={steps}",
-                            *overrides]))
+    common = [f"cluster.workers={world}", f"cluster.device={device_type}", "wandb.mode=disabled", f"run_root={root}",
+              "train.eval_every=0", "train.checkpoint_every=0", "train.eval_instances=8",
+              f"train.max_steps={2 * steps}", "train.warmup_steps=3", f"train.log_every={steps}"]
+    run = validate(compose([*common, *overrides]))
+    # the bare loop is always the AdamW-DDP baseline, at adamw_ddp's defaults
+    baseline = validate(compose([*common, *(o for o in overrides if not o.lstrip("+~").startswith(_OPTIMIZER_KEYS)),
+                                 "optimizer=adamw_ddp"]))
     # lowcomm logs a window every `steps` steps: the second one (steps+1 .. 2*steps) is warm
     data = open_data(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     bare, ours, bare_memory, our_memory = [], [], [], []
     for _ in range(repeats):
         _reset_peak_memory(device)
-        bare.append(_bare_loop(run, data, steps, device))
+        bare.append(_bare_loop(baseline, data, steps, device))
         bare_memory.append(_peak_memory_mb(device))
         if rank == 0:
             shutil.rmtree(run.run_dir, ignore_errors=True)

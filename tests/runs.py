@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
+from lowcomm.config.sweep import load_sweep
 
 # Small enough for 2 cores: a handful of steps of the tiny model on a small synthetic corpus.
 TINY = [
@@ -27,3 +28,16 @@ def tiny_run(run_root: Path, *overrides: str, workers: int = 2, max_steps: int =
     cfg = compose([*TINY, *(SMALL_SYNTHETIC if synthetic else []), f"run_root={run_root}", f"cluster.workers={workers}", f"train.max_steps={max_steps}",
                    *overrides])
     return validate(cfg)
+
+
+def quickstart_points() -> dict[str, list[str]]:
+    """The quickstart's runs, ``"optimizer=<name>|label=..."`` -> their overrides (without the
+    sweep's base): the quickstart covers every registered optimizer (test_resume checks), so a
+    test parametrised over these covers them all."""
+    sweep = load_sweep("quickstart")
+    return {next(o for o in job if o.startswith("optimizer=")) + "|" + job[-1]: job[len(sweep.base):]
+            for job in sweep.jobs}
+
+
+def point_id(point: str) -> str:
+    return point.split("|")[1].split("=", 1)[1]

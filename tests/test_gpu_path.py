@@ -23,11 +23,13 @@ from lowcomm.data import materialize, open_data
 from lowcomm.distenv import DistEnv
 from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
+from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.loop import DeviceClock, Trainer, next_token_loss, pick_device, validation_batches
-from runs import tiny_run
+from runs import point_id, quickstart_points, tiny_run
 
 CUDA_ONLY = "cuda:gloo"  # like "nccl": the group's only backend is registered for cuda
+QUICKSTART = quickstart_points()
 
 
 def _control_traffic_worker(rank: int, world: int, run) -> dict:
@@ -224,3 +226,21 @@ def test_averages_use_the_backends_avg_without_a_divided_copy():
         assert out["no_copy"]  # the unsharded gradient went to the backend itself
         assert torch.equal(out["gradient"], torch.full((6,), 1.5))
         assert torch.equal(out["shard"], (torch.arange(4.0) * 1.5)[2 * rank : 2 * rank + 2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", sorted(QUICKSTART), ids=point_id)
+def test_every_optimizer_trains_at_world_size_one(tmp_path, point):
+    """One GPU is how a GPU is tried first: a process group of one rank (NCCL there, gloo here),
+    whose collectives are local copies. Every registered optimizer must train and account for
+    its validation there; FlexDeMo's sharding group of one rank is a real group (FSDP's device mesh is
+    built from it; it was None before, and FlexDeMo died in ``DeviceMesh.from_group``). Found on
+    an H100 with the quickstart's optimizers at world size 1."""
+    overrides = [o for o in QUICKSTART[point] if not o.startswith("optimizer.shard_group_size")]
+    if overrides[0] == "optimizer=flexdemo":
+        overrides.append("optimizer.shard_group_size=1")
+    run = tiny_run(tmp_path, *overrides, workers=1, max_steps=3)
+    launch_local(run)
+    summary = RunDir(run.run_dir).read_summary()
+    assert summary["steps"] == 3 and summary["world_size"] == 1
+    assert math.isfinite(summary["final_val_loss"])

@@ -18,15 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from lowcomm.config.sweep import load_sweep
 from lowcomm.launch.local import launch_local
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
-from runs import tiny_run
+from runs import point_id, quickstart_points, tiny_run
 
-QUICKSTART = load_sweep("quickstart")
-POINTS = {next(o for o in job if o.startswith("optimizer=")) + "|" + job[-1]: job[len(QUICKSTART.base):]
-          for job in QUICKSTART.jobs}
+POINTS = quickstart_points()
 # Periods that put the step-3 checkpoint between two synchronisations (or after compression starts).
 MID_PERIOD = {
     "diloco": ["optimizer.sync_every=2"],
@@ -73,7 +70,7 @@ def _final_state(directory: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", sorted(POINTS), ids=lambda point: point.split("|")[1].split("=", 1)[1])
+@pytest.mark.parametrize("point", sorted(POINTS), ids=point_id)
 def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point):
     overrides = POINTS[point]
     name = overrides[0].split("=", 1)[1]

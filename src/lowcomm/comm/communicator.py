@@ -267,8 +267,9 @@ class Communicator:
         """Create one sub-group per entry of ``groups`` (global ranks; every rank must call
         this with the same list) and return the Communicator of the group holding this rank.
         The sub-communicator shares this meter and records under ``scope``."""
-        if not self.distributed:
+        if not (dist.is_available() and dist.is_initialized()):
             return Communicator(meter=self.meter, scope=scope, device=self.device)
+        # a real group even at world size 1: FSDP's device mesh is built from it
         mine = None
         for ranks in groups:
             group = dist.new_group(ranks=list(ranks))

@@ -10,6 +10,7 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,13 @@ def metered_bf16_allreduce_hook(
     return work.get_future().then(unpack)
 
 
+# No per-forward buffer broadcast (OLMo registers no buffers). torch 2.13 renamed the flag and
+# warns on the old name; torch <= 2.12, as in many clusters' images, knows only the old one.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                   else {"broadcast_buffers": False})
+
+
 class DDPStrategy(Strategy):
     """Base for strategies that all-reduce gradients every step; subclasses pick the optimizer
     (``make_optimizer``) and may replace the hook (``register_hook``)."""
@@ -56,7 +64,7 @@ class DDPStrategy(Strategy):
         device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, init_sync=False,
-            forward_sync_buffers=False, gradient_as_bucket_view=True,
+            gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
         )
         self.register_hook(ddp)
         return ddp, self.make_optimizer(ddp.module)
