@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.dct import random_orthonormal_basis
+from lowcomm.config import ConfigError, validate_optimizer
+from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.optim import DeMo, demo_payload_bytes
 from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
@@ -438,3 +440,19 @@ def test_strategy_config_matches_the_yaml_and_compression_overrides():
     assert DeMoStrategy.replicated_optimizer_state is False
     # the codec is set one way: by DeMo's own fields, not also by a compression group
     assert DeMoStrategy.accepts_compression == ("none",)
+
+
+def test_the_one_bucket_exchange_is_a_config_setting():
+    """``optimizer.bucket_numel`` reaches DeMo (one bucket: the whole step in two all-gathers, the
+    bit-identical result, test_payload_bytes_of_a_four_worker_run_match_the_wire_formats); a
+    bucket of no elements is refused before launch, by name."""
+    def strategy(*overrides):
+        raw = OmegaConf.to_container(compose(["optimizer=demo", *overrides]), resolve=True)
+        strategy_cls, cfg = validate_optimizer(raw)
+        return strategy_cls(cfg, raw["compression"], Communicator()), raw
+
+    one_bucket, raw = strategy("optimizer.bucket_numel=10000000000")
+    _, optimizer = one_bucket.build(build_model(ModelSpec(**raw["model"]), "meta"))
+    assert optimizer.bucket_numel == 10**10
+    with pytest.raises(ConfigError, match="optimizer.bucket_numel=0"):
+        strategy("optimizer.bucket_numel=0")

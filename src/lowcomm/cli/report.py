@@ -147,3 +147,59 @@ def curves_main(argv: list[str] | None = None) -> int:
                                      smoothing=args.smoothing, log_mb=not args.linear_mb):
             print(f"figure: {path}")
     return 0
+
+
+def wallclock_main(argv: list[str] | None = None) -> int:
+    """``lowcomm-wallclock``: loss against estimated wall-clock time on network links."""
+    parser = _selection_parser(
+        "lowcomm-wallclock",
+        "Validation loss against estimated wall-clock time over network links: each run's measured compute "
+        "per step plus its metered traffic (tx and messages per rank) on each link, "
+        "step time = compute + max(0, tx/bandwidth + messages x latency - overlap x compute). Prints, per "
+        "link, the time each run needs to reach an excess loss over the Bayes floor, and draws loss against "
+        "time, one panel per link. Example: lowcomm-wallclock --runs 'runs/quickstart/*' --link wan:1G:10ms")
+    parser.add_argument("--link", action="append", default=[], metavar="NAME:BANDWIDTH:LATENCY",
+                        help="a link, e.g. wan:1G:10ms or ib:100Gbit:5us (repeatable; default: "
+                             "1 Gbit/s WAN 10 ms, 10 Gbit/s Ethernet 50 us, 100 Gbit/s InfiniBand 5 us)")
+    parser.add_argument("--intra-link", metavar="NAME:BANDWIDTH:LATENCY",
+                        help="the link inside a node, for FlexDeMo's intra traffic (default: NVLink 3.6T, 3 us)")
+    parser.add_argument("--target-excess", type=float, metavar="LOSS",
+                        help="excess validation loss over the Bayes floor to time (default: the largest of "
+                             "the runs' best excess losses, which every run reaches)")
+    parser.add_argument("--stem", default="wallclock", help="output names: STEM.md, STEM.csv, loss_vs_STEM.png")
+    args = parser.parse_args(argv)
+    from lowcomm.report.figures import plot_loss_vs_wallclock
+    from lowcomm.report.runs import distinct_labels
+    from lowcomm.report.tables import write_csv
+    from lowcomm.report.wallclock import (
+        DEFAULT_LINKS,
+        INTRA_NODE,
+        default_target,
+        parse_link,
+        timeline,
+        wallclock_table,
+    )
+
+    try:
+        links = [parse_link(text) for text in args.link] or list(DEFAULT_LINKS)
+        intra = parse_link(args.intra_link) if args.intra_link else INTRA_NODE
+    except ValueError as exc:
+        parser.error(str(exc))
+    selection, out_dir = _select(parser, args)
+    runs, labels = selection.runs, distinct_labels(selection.runs)
+    try:
+        panels = [(link.describe(), [timeline(run, link, intra=intra) for run in runs]) for link in links]
+        target = args.target_excess if args.target_excess is not None else default_target(panels[0][1])
+        markdown, rows = wallclock_table(runs, links, target, labels, intra=intra)
+    except ValueError as exc:
+        print(f"lowcomm-wallclock: {exc}", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.stem}.md").write_text(markdown + "\n")
+    write_csv(rows, out_dir / f"{args.stem}.csv", columns=[(key, key) for key in rows[0]])
+    print(markdown)
+    print(f"table: {out_dir / f'{args.stem}.md'}\ntable: {out_dir / f'{args.stem}.csv'}")
+    for path in plot_loss_vs_wallclock(panels, labels, out_dir, target=target, stem=f"loss_vs_{args.stem}",
+                                       formats=tuple(args.formats)):
+        print(f"figure: {path}")
+    return 0

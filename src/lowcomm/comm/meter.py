@@ -204,7 +204,8 @@ class CommMeter:
 
         ``comm/{payload,tx,rx}_bytes`` are this step's data bytes, ``comm/messages`` the sends
         they took (a ring collective is W-1 or 2(W-1) of them), ``comm/cum_payload_MB`` the
-        cumulative data payload in MB (1e6 bytes, the paper's unit). Per-scope and
+        cumulative data payload in MB (1e6 bytes, the paper's unit), ``comm/cum_tx_MB`` and
+        ``comm/cum_messages`` what the wall-clock model reads (lowcomm.report.wallclock). Per-scope and
         per-collective breakdowns, and control traffic, follow under longer keys.
         """
         metrics: dict[str, float] = {}
@@ -223,8 +224,11 @@ class CommMeter:
         self.steps_closed += 1
         metrics["comm/cum_payload_MB"] = self.cumulative_bytes("payload") / 1e6
         metrics["comm/cum_tx_MB"] = self.cumulative_bytes("tx") / 1e6
+        metrics["comm/cum_messages"] = self.cumulative_bytes("messages")
         for scope in scopes if scopes != ["world"] else []:
             metrics[f"comm/cum_{scope}_payload_MB"] = self.cumulative_bytes("payload", scope=scope) / 1e6
+            metrics[f"comm/cum_{scope}_tx_MB"] = self.cumulative_bytes("tx", scope=scope) / 1e6
+            metrics[f"comm/cum_{scope}_messages"] = self.cumulative_bytes("messages", scope=scope)
         return metrics
 
     def breakdown(self, *, cumulative: bool = True) -> dict[str, dict[str, int]]:

@@ -3,7 +3,9 @@
 - :func:`plot_loss_curves`: loss against steps and against cumulative MB sent (the DeMo paper's
   Figure 2), one line per run;
 - :func:`plot_loss_vs_mb`: final validation loss (or perplexity) against MB/step on a log axis,
-  one marker per optimizer family, with the Pareto front drawn (the paper's Figure 4).
+  one marker per optimizer family, with the Pareto front drawn (the paper's Figure 4);
+- :func:`plot_loss_vs_wallclock`: validation loss against estimated wall-clock time, one panel
+  per network link (:mod:`lowcomm.report.wallclock`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.colors as mcolors
+import matplotlib.ticker as mticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lowcomm.report.pareto import loss_mb_points, pareto_runs  # noqa: E402
 from lowcomm.report.runs import OPTIMIZER_NAMES, RunRecord, distinct_labels  # noqa: E402
+from lowcomm.report.wallclock import Timeline  # noqa: E402
 
 FAMILY_MARKERS = {"adamw_ddp": "o", "muon_ddp": "s", "powersgd": "P", "demo": "*", "flexdemo": "X",
                   "diloco": "^", "muloco": "v", "desloc": "D", "sparseloco": "<", "streaming_diloco": ">"}
@@ -172,3 +176,33 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     if points:
         _legend_outside(ax)
     return _save(fig, out_dir, stem, formats), skipped
+
+
+def plot_loss_vs_wallclock(panels: list[tuple[str, list[Timeline]]], labels: list[str], out_dir: Path, *,
+                           target: float | None = None, stem: str = "loss_vs_wallclock",
+                           formats: tuple[str, ...] = FORMATS) -> list[Path]:
+    """Validation loss against estimated wall-clock time, one panel per link (``panels``:
+    ``(title, timelines)``, each timeline list in the order of ``labels``); log time axis, the
+    Bayes floor and the target (floor + ``target``) marked."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.8, 4.0), sharey=True, squeeze=False)
+    runs = [item.run for item in panels[0][1]] if panels else []
+    colors = run_colors(runs)
+    for ax, (title, timelines) in zip(axes[0], panels, strict=True):
+        for item, label in zip(timelines, labels, strict=True):
+            points = item.val_points()
+            if not points:
+                continue
+            ax.plot([t for _s, t, _v in points], [v for _s, _t, v in points], label=label, lw=1.4, ms=4,
+                    marker=FAMILY_MARKERS.get(item.run.optimizer, "."), color=colors[id(item.run)])
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(mticker.NullFormatter())  # decades only: minor labels collide
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("estimated wall-clock time (s)")
+        ax.grid(alpha=0.3, which="both")
+        floors = {run.bayes_floor for run in runs if run.bayes_floor is not None}
+        if target is not None and len(floors) == 1:
+            ax.axhline(floors.pop() + target, color="0.5", ls="--", lw=0.8, label=f"target: floor + {target:.3f}")
+        _floor(ax, runs)
+    axes[0][0].set_ylabel("validation loss")
+    _legend_outside(axes[0][-1])
+    return _save(fig, out_dir, stem, formats)

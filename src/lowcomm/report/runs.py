@@ -99,6 +99,14 @@ class RunRecord:
         return losses[-1] if losses else None
 
     @property
+    def world_size(self) -> int:
+        if self.summary is not None and self.summary.get("world_size"):
+            return int(self.summary["world_size"])
+        cluster = self.config["cluster"]
+        return int(cluster["workers"] if cluster.get("launcher", "local") == "local"
+                   else cluster["nodes"] * cluster["tasks_per_node"])
+
+    @property
     def bayes_floor(self) -> float | None:
         if self.summary is not None and self.summary.get("bayes_floor") is not None:
             return float(self.summary["bayes_floor"])

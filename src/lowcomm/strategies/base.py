@@ -171,6 +171,13 @@ class Strategy:
         """The collective that carries the payload (it sets tx/rx per worker for a given W)."""
         return "all_reduce"
 
+    @classmethod
+    def comm_overlap(cls, cfg: OptimizerConfig) -> float:  # noqa: ARG003
+        """The share of a step's compute that this strategy's traffic can run behind, for the
+        wall-clock model (:mod:`lowcomm.report.wallclock`). 0: every step waits for its bytes
+        (DeMo's all-gathers follow the backward pass; DiLoCo's outer step waits for its sync)."""
+        return 0.0
+
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"strategy {self.name!r} got extra state it does not know: {sorted(state)}")

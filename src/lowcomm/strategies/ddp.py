@@ -60,6 +60,12 @@ class DDPStrategy(Strategy):
 
     bucket_cap_mb: float = 25.0
 
+    @classmethod
+    def comm_overlap(cls, cfg) -> float:  # noqa: ARG003
+        """DDP all-reduces each bucket as the backward pass fills it: the traffic can hide
+        behind the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token)."""
+        return 2 / 3
+
     def build(self, model: torch.nn.Module):
         device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
         ddp = DistributedDataParallel(

@@ -39,9 +39,12 @@ class DeMoConfig(OptimizerConfig):
     projection: str = "dct"
     base: str = "sign"
     wire: str = "paper"
+    bucket_numel: int | None = None
 
     def validate(self) -> list[str]:
-        return super().validate() + as_config_errors(demo_errors(
+        bucket = ([] if self.bucket_numel is None or self.bucket_numel >= 1 else
+                  [f"optimizer.bucket_numel={self.bucket_numel} must be null or >= 1"])
+        return super().validate() + bucket + as_config_errors(demo_errors(
             compression_decay=self.compression_decay, compression_topk=self.compression_topk,
             compression_chunk=self.compression_chunk, weight_decay=self.weight_decay,
             momentum_subtraction=self.momentum_subtraction, projection=self.projection, base=self.base,
@@ -95,6 +98,7 @@ class DeMoStrategy(Strategy):
             base=cfg.base,
             wire=codec["wire"],
             comm=comm,
+            bucket_numel=cfg.bucket_numel,
         )
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DeMo]:

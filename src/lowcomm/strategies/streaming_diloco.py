@@ -73,6 +73,12 @@ class StreamingDiLoCoStrategy(Strategy):
         )
         return model, optimizer
 
+    @classmethod
+    def comm_overlap(cls, cfg: StreamingDiLoCoConfig) -> float:
+        """A fragment is sent every sync_every / num_fragments steps and merged ``overlap``
+        (tau) inner steps later: its exchange runs behind tau steps of compute."""
+        return min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every)
+
     def wire_collective(self) -> str:
         return "all_reduce" if self.cfg.quantization == "none" else "all_gather"
 

@@ -1,0 +1,238 @@
+"""Loss against estimated wall-clock time over a given network link.
+
+Bytes are what a run counts; time is what a researcher pays. This module turns a run's
+metered traffic into time on a link, with one stated model:
+
+    step time  = compute + max(0, comm - overlap x compute)
+    comm       = tx / bandwidth + messages x latency
+
+- ``compute`` is the run's measured time per step (``summary.json``'s tokens/s, which times
+  ``train_step`` alone; its own traffic went over loopback or shared memory, which the model
+  neglects). ``benchmarks/wan.py`` measures it on an unshaped link beside the shaped one.
+- ``tx`` and ``messages`` are this rank's, as metered: the collective's algorithm is already in
+  them (a ring all-reduce sends 2(W-1)/W x payload in 2(W-1) messages, a ring all-gather
+  (W-1) x payload in W-1; comm/meter.py). The ring's hops are sequential, so each message pays
+  the link's latency once: DeMo's per-bucket all-gathers make it latency-bound over a WAN long
+  before it is bandwidth-bound, and its one-bucket exchange (``optimizer.bucket_numel``) cuts the
+  messages, not the bytes.
+- ``bandwidth`` is per rank and direction (each node has its own uplink); the traffic of a
+  hierarchical strategy's ``intra`` scope (FlexDeMo's sharding group, inside a node) crosses an
+  intra-node link instead.
+- ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce runs during
+  the backward pass (2/3 of a step), Streaming DiLoCo's fragments behind tau inner steps, the
+  others not at all.
+
+The model is applied window by window between logged steps, from the cumulative counters
+(``comm/cum_tx_MB``, ``comm/cum_messages``), so that a strategy that syncs every H steps pays
+its sync inside the window where it happens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from lowcomm.config import ConfigError, validate_optimizer
+from lowcomm.report.runs import RunRecord
+
+MODEL_TEXT = ("step time = compute + max(0, comm - overlap x compute); comm = tx / bandwidth + messages x latency "
+              "(tx and messages per rank, as metered; compute measured by the run)")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link: ``bandwidth_bps`` bits per second per rank and direction, ``latency_s``
+    seconds per message (one hop of a ring collective)."""
+
+    name: str
+    bandwidth_bps: float
+    latency_s: float
+
+    def __post_init__(self):
+        if not self.bandwidth_bps > 0:
+            raise ValueError(f"link {self.name!r}: bandwidth must be > 0, got {self.bandwidth_bps}")
+        if not self.latency_s >= 0:
+            raise ValueError(f"link {self.name!r}: latency must be >= 0, got {self.latency_s}")
+
+    def seconds(self, tx_bytes: float, messages: float) -> float:
+        """Time to send ``tx_bytes`` in ``messages`` messages, one after the other."""
+        return 8 * tx_bytes / self.bandwidth_bps + messages * self.latency_s
+
+    def describe(self) -> str:
+        return f"{self.name} ({_si(self.bandwidth_bps)}bit/s, {_duration(self.latency_s)} per message)"
+
+
+# The default links, their latency one-way per message: a WAN between sites, a data-centre
+# Ethernet, an InfiniBand fabric; inside a node, NVLink (H100: 450 GB/s per direction).
+DEFAULT_LINKS = (
+    Link("1 Gbit/s WAN", 1e9, 10e-3),
+    Link("10 Gbit/s Ethernet", 10e9, 50e-6),
+    Link("100 Gbit/s InfiniBand", 100e9, 5e-6),
+)
+INTRA_NODE = Link("NVLink", 3.6e12, 3e-6)
+
+_SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_link(text: str) -> Link:
+    """``NAME:BANDWIDTH:LATENCY``, e.g. ``wan:1G:10ms``, ``lab:100Mbit:2ms``, ``ib:100G:5us``
+    (bandwidth in bits per second with an SI prefix; latency with a unit: s, ms, us, ns)."""
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0]:
+        raise ValueError(f"link {text!r}: expected NAME:BANDWIDTH:LATENCY, e.g. wan:1G:10ms")
+    name, bandwidth, latency = parts
+    match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKMGT]?)(?:bit(?:/s)?|bps)?", bandwidth.strip())
+    if match is None:
+        raise ValueError(f"link {text!r}: bandwidth {bandwidth!r} is not a number of bits/s like 1G or 100Mbit")
+    time = re.fullmatch(r"([0-9.eE+-]+)\s*(s|ms|us|µs|ns)", latency.strip())
+    if time is None:
+        raise ValueError(f"link {text!r}: latency {latency!r} needs a unit: s, ms, us or ns (e.g. 10ms)")
+    return Link(name, float(match.group(1)) * _SI[match.group(2)], float(time.group(1)) * _TIME[time.group(2)])
+
+
+def step_seconds(compute_s: float, comm_s: float, overlap: float) -> float:
+    """One step (or window): compute, plus the traffic that the compute could not hide."""
+    return compute_s + max(0.0, comm_s - overlap * compute_s)
+
+
+@dataclass
+class Timeline:
+    """One run on one link: the estimated time at each logged step and at each validation."""
+
+    run: RunRecord
+    link: Link
+    compute_s_per_step: float
+    overlap: float
+    steps: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    comm_s: float = 0.0  # the whole run's traffic time on the link, before overlap
+
+    def val_points(self) -> list[tuple[int, float, float]]:
+        """``(step, seconds, val loss)`` at every validation."""
+        at = dict(zip(self.steps, self.seconds, strict=True))
+        steps, values = self.run.series("val/loss")
+        return [(s, at[s], v) for s, v in zip(steps, values, strict=True) if s in at]
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds[-1] if self.seconds else 0.0
+
+    @property
+    def comm_s_per_step(self) -> float:
+        return self.comm_s / self.steps[-1] if self.steps else 0.0
+
+    def time_to_excess(self, target: float) -> float | None:
+        """Seconds until the first validation whose loss is within ``target`` of the Bayes floor
+        (of the loss itself when the data has none); None if no validation gets there."""
+        floor = self.run.bayes_floor or 0.0
+        for _step, seconds, loss in self.val_points():
+            if loss - floor <= target:
+                return seconds
+        return None
+
+
+def comm_overlap(run: RunRecord) -> float:
+    """The run's strategy's :meth:`~lowcomm.strategies.base.Strategy.comm_overlap`."""
+    try:
+        strategy, cfg = validate_optimizer(run.config)
+    except ConfigError as exc:
+        raise ValueError(f"{run.path}: its optimizer config does not validate: {exc}") from exc
+    return strategy.comm_overlap(cfg)
+
+
+def compute_seconds_per_step(run: RunRecord) -> float:
+    """The run's measured time per step: tokens per step over ``summary.json``'s tokens/s (which
+    times ``train_step`` alone), else the mean of its logged ``perf/step_s`` windows."""
+    train = run.config["train"]
+    if run.summary and run.summary.get("tokens_per_s"):
+        return train["global_batch_size"] * train["seq_len"] / run.summary["tokens_per_s"]
+    _steps, windows = run.series("perf/step_s")
+    if not windows:
+        raise ValueError(f"{run.path}: no measured step time (no summary.json tokens_per_s, no perf/step_s)")
+    return sum(windows) / len(windows)
+
+
+def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, compute_s: float | None = None,
+             overlap: float | None = None) -> Timeline:
+    """``run``'s logged steps placed in time on ``link`` (see the module's model)."""
+    compute = compute_seconds_per_step(run) if compute_s is None else compute_s
+    out = Timeline(run, link, compute, comm_overlap(run) if overlap is None else overlap)
+    records = [r for r in run.metrics if "comm/cum_tx_MB" in r]
+    if records and "comm/cum_messages" not in records[-1]:
+        raise ValueError(f"{run.path}: metrics.jsonl has no comm/cum_messages (written by lowcomm before the "
+                         "wall-clock model); rerun it to place it in time")
+    last_step, last = 0, {"tx": 0.0, "messages": 0.0, "intra_tx": 0.0, "intra_messages": 0.0}
+    elapsed = 0.0
+    for record in sorted(records, key=lambda r: r["step"]):
+        now = {"tx": record["comm/cum_tx_MB"] * 1e6, "messages": record["comm/cum_messages"],
+               "intra_tx": record.get("comm/cum_intra_tx_MB", 0.0) * 1e6,
+               "intra_messages": record.get("comm/cum_intra_messages", 0)}
+        delta = {key: now[key] - last[key] for key in now}
+        comm = (link.seconds(delta["tx"] - delta["intra_tx"], delta["messages"] - delta["intra_messages"])
+                + intra.seconds(delta["intra_tx"], delta["intra_messages"]))
+        steps = record["step"] - last_step
+        elapsed += step_seconds(steps * compute, comm, out.overlap)
+        out.comm_s += comm
+        out.steps.append(record["step"])
+        out.seconds.append(elapsed)
+        last_step, last = record["step"], now
+    return out
+
+
+def default_target(timelines: list[Timeline]) -> float:
+    """An excess loss that every run reaches: the largest of the runs' best excess losses."""
+    best = []
+    for item in timelines:
+        floor = item.run.bayes_floor or 0.0
+        losses = [loss - floor for _s, _t, loss in item.val_points()]
+        if losses:
+            best.append(min(losses))
+    if not best:
+        raise ValueError("no run has a validation loss")
+    return max(best)
+
+
+def wallclock_table(runs: list[RunRecord], links: list[Link], target: float, labels: list[str],
+                    *, intra: Link = INTRA_NODE) -> tuple[str, list[dict]]:
+    """Markdown (one section per link) and rows: per run, compute and traffic time per step,
+    the time to reach ``target`` excess loss, and the whole run's time."""
+    rows: list[dict] = []
+    lines = [f"Model: {MODEL_TEXT}.", f"Target: excess validation loss over the Bayes floor <= {target:.4f}.", ""]
+    for link in links:
+        lines += [f"### {link.describe()}", "",
+                  "| run | W | compute s/step | traffic s/step | overlap | time to target | whole run |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        timed = [(label, timeline(run, link, intra=intra)) for run, label in zip(runs, labels, strict=True)]
+        order = sorted(timed, key=lambda item: (item[1].time_to_excess(target) is None,
+                                                item[1].time_to_excess(target) or math.inf))
+        for label, item in order:
+            reach = item.time_to_excess(target)
+            rows.append({"link": link.name, "run": label, "world_size": item.run.world_size,
+                         "compute_s_per_step": item.compute_s_per_step, "comm_s_per_step": item.comm_s_per_step,
+                         "overlap": item.overlap, "time_to_target_s": reach, "total_s": item.total_s})
+            lines.append(f"| {label} | {item.run.world_size} | {item.compute_s_per_step:.4g} | "
+                         f"{item.comm_s_per_step:.4g} | {item.overlap:.2f} | "
+                         f"{'not reached' if reach is None else _duration(reach)} | {_duration(item.total_s)} |")
+        lines.append("")
+    return "\n".join(lines), rows
+
+
+def _si(value: float) -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:g} {prefix}"
+    return f"{value:g} "
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds >= 1:
+        return f"{seconds:.1f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
