@@ -18,8 +18,9 @@ metered traffic into time on a link, with one stated model:
 - ``bandwidth`` is per rank and direction (each node has its own uplink); the traffic of a
   hierarchical strategy's ``intra`` scope (FlexDeMo's sharding group, inside a node) crosses an
   intra-node link instead.
-- ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce runs during
-  the backward pass (2/3 of a step), Streaming DiLoCo's fragments behind tau inner steps, the
+- ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce of every
+  gradient bucket but the last runs during the backward pass (2/3 of a step; none for a model
+  whose gradients fit one bucket), Streaming DiLoCo's fragments behind tau inner steps, the
   others not at all.
 
 The model is applied window by window between logged steps, from the cumulative counters
@@ -34,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 
 from lowcomm.config import ConfigError, validate_optimizer
+from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.report.runs import RunRecord
 
 MODEL_TEXT = ("step time = compute + max(0, comm - overlap x compute); comm = tx / bandwidth + messages x latency "
@@ -134,12 +136,14 @@ class Timeline:
 
 
 def comm_overlap(run: RunRecord) -> float:
-    """The run's strategy's :meth:`~lowcomm.strategies.base.Strategy.comm_overlap`."""
+    """The run's strategy's :meth:`~lowcomm.strategies.base.Strategy.comm_overlap` for its model."""
     try:
         strategy, cfg = validate_optimizer(run.config)
     except ConfigError as exc:
         raise ValueError(f"{run.path}: its optimizer config does not validate: {exc}") from exc
-    return strategy.comm_overlap(cfg)
+    parameters = (run.summary or {}).get("parameters") or count_parameters(
+        build_model(ModelSpec(**run.config["model"]), "meta"))
+    return strategy.comm_overlap(cfg, int(parameters))
 
 
 def compute_seconds_per_step(run: RunRecord) -> float:

@@ -172,10 +172,11 @@ class Strategy:
         return "all_reduce"
 
     @classmethod
-    def comm_overlap(cls, cfg: OptimizerConfig) -> float:  # noqa: ARG003
-        """The share of a step's compute that this strategy's traffic can run behind, for the
-        wall-clock model (:mod:`lowcomm.report.wallclock`). 0: every step waits for its bytes
-        (DeMo's all-gathers follow the backward pass; DiLoCo's outer step waits for its sync)."""
+    def comm_overlap(cls, cfg: OptimizerConfig, parameters: int) -> float:  # noqa: ARG003
+        """The share of a step's compute that this strategy's traffic can run behind, for a model
+        of ``parameters`` parameters, in the wall-clock model (:mod:`lowcomm.report.wallclock`).
+        0: every step waits for its bytes (DeMo's all-gathers follow the backward pass; DiLoCo's
+        outer step waits for its sync)."""
         return 0.0
 
     def load_extra_state(self, state: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,14 @@ class DDPStrategy(Strategy):
     bucket_cap_mb: float = 25.0
 
     @classmethod
-    def comm_overlap(cls, cfg) -> float:  # noqa: ARG003
-        """DDP all-reduces each bucket as the backward pass fills it: the traffic can hide
-        behind the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token)."""
-        return 2 / 3
+    def comm_overlap(cls, cfg, parameters: int) -> float:  # noqa: ARG003
+        """DDP all-reduces each bucket of ``bucket_cap_mb`` MiB of fp32 gradients as soon as the
+        backward pass has filled it, so the traffic of every bucket but the last can hide behind
+        the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token): 2/3 x
+        (buckets - 1) / buckets. A model whose gradients fit one bucket (the tiny one) overlaps
+        nothing; OLMo-300M's 49 buckets, 0.65."""
+        buckets = max(1, math.ceil(4 * parameters / (cls.bucket_cap_mb * 2**20)))
+        return 2 / 3 * (buckets - 1) / buckets
 
     def build(self, model: torch.nn.Module):
         device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None

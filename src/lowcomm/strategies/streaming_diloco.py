@@ -74,7 +74,7 @@ class StreamingDiLoCoStrategy(Strategy):
         return model, optimizer
 
     @classmethod
-    def comm_overlap(cls, cfg: StreamingDiLoCoConfig) -> float:
+    def comm_overlap(cls, cfg: StreamingDiLoCoConfig, parameters: int) -> float:  # noqa: ARG003
         """A fragment is sent every sync_every / num_fragments steps and merged ``overlap``
         (tau) inner steps later: its exchange runs behind tau steps of compute."""
         return min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every)
