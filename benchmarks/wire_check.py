@@ -22,14 +22,13 @@ the figures. Needs root and iproute2 (``ip netns``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
+
+from netns import network_namespace  # benchmarks/netns.py (this script's directory is on sys.path)
 
 WORLD = 4
 STEPS = 10
@@ -168,18 +167,6 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def network_namespace(name: str | None = None) -> Iterator[str]:
-    """A fresh namespace with its loopback up; always deleted on exit."""
-    name = name or f"lowcomm-wire-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per optimizer window")
@@ -193,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.geteuid() != 0:
             print("wire_check: needs root (ip netns add)", file=sys.stderr)
             return 2
-        with network_namespace() as name:
+        with network_namespace("lowcomm-wire") as name:
             command = ["ip", "netns", "exec", name, sys.executable, str(Path(__file__).resolve()), "--inside",
                        "--steps", str(args.steps), "--json", "/dev/stdout"]
             done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)

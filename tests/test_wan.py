@@ -1,0 +1,53 @@
+"""benchmarks/wan.py's plumbing on a short run: a namespace made and deleted, its loopback shaped
+with tc, real training on both sides of the shaping, the kernel's byte count beside the meter's,
+and the wall-clock model's prediction written beside each measurement. (How close the prediction
+comes is the benchmark's to print, not a test's: timings are never asserted.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_wire import _need_iproute2, _unavailable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WAN = REPO_ROOT / "benchmarks" / "wan.py"
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(tmp_path):
+    if os.geteuid() != 0:
+        _unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    _need_iproute2()
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    done = subprocess.run([sys.executable, str(WAN), "--workers", "2", "--steps", "4", "--links", "50M",
+                           "--optimizers", "AdamW-DDP", "DeMo k=32", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
+        _unavailable("tc's tbf qdisc is not available in this kernel")
+    assert done.returncode == 0, done.stderr[-4000:]
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == before, "the benchmark's namespace was not deleted"
+
+    result = json.loads((tmp_path / "wan.json").read_text())
+    assert list(result["links"]) == ["unshaped", "50Mbit"]
+    assert result["links"]["unshaped"]["tc"] == "" or "tbf" not in result["links"]["unshaped"]["tc"]
+    assert "tbf" in result["links"]["50Mbit"]["tc"] and "rate 50Mbit" in result["links"]["50Mbit"]["tc"]
+    for label in ("AdamW-DDP", "DeMo k=32"):
+        unshaped, shaped = result["links"]["unshaped"]["runs"][label], result["links"]["50Mbit"]["runs"][label]
+        # the same training on both sides of the shaping
+        assert unshaped["final_val_loss"] == shaped["final_val_loss"]
+        assert unshaped["metered_tx_MB_per_step"] == shaped["metered_tx_MB_per_step"] > 0
+        # the kernel carried at least what the meter counted (plus the wire's framing)
+        assert shaped["kernel_MB_per_step"] >= shaped["metered_tx_MB_per_step"]
+        assert shaped["predicted_step_s"] > unshaped["measured_step_s"]
+        assert shaped["comm_s_per_step"] > 0 and shaped["framing_bytes_per_message"] > 0
+    table = (tmp_path / "summary.md").read_text()
+    assert "| 50Mbit | DeMo k=32 |" in table and "predicted" in table
+    assert (tmp_path / "loss_vs_time_50Mbit.png").stat().st_size > 0
