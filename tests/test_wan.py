@@ -27,7 +27,8 @@ def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(t
     _need_iproute2()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     done = subprocess.run([sys.executable, str(WAN), "--workers", "2", "--steps", "4", "--links", "50M",
-                           "--optimizers", "AdamW-DDP", "DeMo k=32", "--out", str(tmp_path)],
+                           "--optimizers", "AdamW-DDP", "DeMo k=32", "--out", str(tmp_path),
+                           "--work", str(tmp_path / "runs")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
         _unavailable("tc's tbf qdisc is not available in this kernel")
