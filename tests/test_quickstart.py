@@ -50,4 +50,14 @@ def test_a_reduced_quickstart_writes_the_table_and_figures(tmp_path, capsys):
         assert float(row["payload_MB_per_step"]) == summary["payload_MB_per_step"]
         evaluation = json.loads((run_dir / "eval" / "step_000000004.json").read_text())
         assert float(row["piqa_acc_norm"]) == evaluation["tasks"]["piqa"]["acc_norm"]
+        # an accuracy is never without its standard error and its n
+        assert float(row["piqa_acc_norm_stderr"]) == evaluation["tasks"]["piqa"]["acc_norm_stderr"]
+        assert row["piqa_acc_norm_n"] == "2"
     assert float(rows["DeMo k=4"]["payload_MB_per_step"]) < float(rows["AdamW-DDP"]["payload_MB_per_step"]) / 10
+    table = (out / "summary.md").read_text()
+    assert table.count(", n=2 |") == 2 * 3 and " ± " in table
+
+    # By default the benchmarks are left out (chance on this model), even for evaluated runs.
+    assert main(["--sweep", str(sweep), "--out", str(tmp_path / "default"), *overrides]) == 0
+    assert "PIQA" not in (tmp_path / "default" / "summary.md").read_text()
+    assert "final val loss" in (tmp_path / "default" / "summary.md").read_text()

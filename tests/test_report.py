@@ -192,8 +192,11 @@ def test_a_run_with_two_links_is_placed_at_its_inter_node_bytes(tmp_path):
 # ----------------------------------------------------------------------------- readers
 def test_task_score_reads_lowcomm_eval_and_lm_eval_files():
     ours = lowcomm_eval_file(4)
-    assert task_score(ours, "hellaswag", "acc_norm") == Score(0.2631, 0.0044)
-    assert task_score(ours, "hellaswag", "acc") == Score(0.2631 - 0.01, 0.0044)
+    # lowcomm-eval's summary carries the documents scored: every printed accuracy shows its n
+    assert task_score(ours, "hellaswag", "acc_norm") == Score(0.2631, 0.0044, 40)
+    assert task_score(ours, "hellaswag", "acc") == Score(0.2631 - 0.01, 0.0044, 40)
+    assert Score(0.45, 0.11413288653790232, 20).describe() == "0.450 ± 0.114, n=20"
+    assert Score(0.45, None, None).describe() == "0.450"
     # Without lowcomm-eval's summary, lm-eval's raw results under the lowcomm_ task name.
     del ours["tasks"]
     assert task_score(ours, "arc_easy", "acc") == Score(0.3117, 0.0095)
@@ -259,15 +262,17 @@ def test_table1_numbers_are_the_runs_own(run_dirs, paper_csv, tmp_path):
     adamw, diloco = by_optimizer["AdamW-DDP"], by_optimizer["DiLoCo"]
     adamw_summary = json.loads((run_dirs["adamw_ddp"] / "summary.json").read_text())
     assert adamw[column["Final loss"]] == f"{last_logged(run_dirs['adamw_ddp'], 'val/loss'):.3f} (6.01)"
-    assert adamw[column["HellaSwag acc_norm"]] == "0.263 (0.27)"
-    assert adamw[column["ARC-Easy acc"]] == "0.312 (0.33)"
-    assert adamw[column["PIQA acc_norm"]] == "0.537 (0.55)"
+    # every accuracy with its standard error and the documents scored, then the paper's
+    assert adamw[column["HellaSwag acc_norm"]] == "0.263 ± 0.004, n=40 (0.27)"
+    assert adamw[column["ARC-Easy acc"]] == "0.312 ± 0.009, n=40 (0.33)"
+    assert adamw[column["PIQA acc_norm"]] == "0.537 ± 0.012, n=40 (0.55)"
     ours_mb, paper_mb = adamw[column["Tx MB/step"]].split()
     assert float(ours_mb) == pytest.approx(adamw_summary["payload_MB_per_step"], rel=1e-3)
     assert paper_mb == "(0.62)"
     # DiLoCo: chunk and k from the compression group; benchmarks from an lm-eval CLI file.
     assert diloco[column["chunk"]] == "32" and diloco[column["k"]] == "8"
-    assert diloco[column["PIQA acc_norm"]] == "0.510 (0.52)"
+    # an lm-eval CLI file has no document count; its "N/A" stderr is left out
+    assert diloco[column["PIQA acc_norm"]] == "0.510 ± 0.012 (0.52)"
     assert diloco[column["ARC-Easy acc"]] == "0.280 (0.30)"  # the paper's cell as written
 
     rows = {row["optimizer"]: row for row in csv.DictReader((table.write_csv(tmp_path / "t.csv")).open())}
@@ -278,6 +283,8 @@ def test_table1_numbers_are_the_runs_own(run_dirs, paper_csv, tmp_path):
         assert float(rows[optimizer]["ring_tx_MB_per_step"]) == summary["tx_MB_per_step"]
         assert int(rows[optimizer]["final_step"]) == STEPS
     assert float(rows["adamw_ddp"]["hellaswag_acc_norm_stderr"]) == 0.0044
+    assert rows["adamw_ddp"]["hellaswag_acc_norm_n"] == "40" and rows["diloco"]["piqa_acc_norm_n"] == ""
+    assert "$\\pm$ 0.004, n=40" in table.to_latex()
     assert float(rows["adamw_ddp"]["hellaswag_acc_norm"]) == 0.2631
     assert rows["diloco"]["arc_easy_acc_stderr"] == ""  # "N/A" in the file
     assert rows["diloco"]["eval_step"] == "2"

@@ -122,7 +122,9 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
 
 
 def format_table(rows: list[tuple[Checkpoint, dict]], tasks: list[TaskSpec]) -> str:
-    """One line per evaluated checkpoint: the paper's metric of each task, with its stderr."""
+    """One line per evaluated checkpoint: the paper's metric of each task, with its stderr and n."""
+    from lowcomm.report.evals import Score
+
     header = ["run", "step", *(f"{task.display_name} {task.metric}" for task in tasks), "seconds"]
     lines = [header]
     for checkpoint, result in rows:
@@ -131,7 +133,8 @@ def format_table(rows: list[tuple[Checkpoint, dict]], tasks: list[TaskSpec]) -> 
             [
                 str(checkpoint.run_dir),
                 str(checkpoint.step),
-                *(f"{scores[task.name]['value']:.4f} ± {scores[task.name]['stderr']:.4f}" for task in tasks),
+                *(Score(scores[task.name]["value"], scores[task.name]["stderr"],
+                        scores[task.name].get("documents_scored")).describe(4) for task in tasks),
                 f"{result['timing_s']['total']:.0f}",
             ]
         )

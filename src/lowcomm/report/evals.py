@@ -3,7 +3,8 @@
 Such a file is written by ``lowcomm-eval`` (:mod:`lowcomm.eval`); a results file of lm-eval's own
 CLI placed there is read too. The keys read, in order of preference, for task ``T`` and metric ``M``:
 
-1. ``tasks[T][M]`` and ``tasks[T][M + "_stderr"]``: lowcomm-eval's per-task summary;
+1. ``tasks[T][M]``, ``tasks[T][M + "_stderr"]`` and ``tasks[T]["documents_scored"]`` (n):
+   lowcomm-eval's per-task summary;
 2. ``lm_eval.results[R]["M,none"]`` and ``["M_stderr,none"]``, with ``R`` = ``lowcomm_T`` or ``T``:
    lm-eval's raw results as lowcomm-eval stores them beside the summary;
 3. ``results[R]["M,none"]`` / ``["M_stderr,none"]``: a file of lm-eval's CLI (``--output_path``);
@@ -22,10 +23,20 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Score:
-    """One benchmark metric: the mean over documents and its standard error (None if unknown)."""
+    """One benchmark metric: the mean over ``n`` documents and its standard error (each None if
+    unknown)."""
 
     value: float
     stderr: float | None
+    n: int | None = None
+
+    def describe(self, digits: int = 3) -> str:
+        """How every accuracy lowcomm prints reads: ``0.450 ± 0.114, n=20``. With 20 documents
+        the standard error is about 0.11: differences smaller than that say nothing."""
+        text = f"{self.value:.{digits}f}"
+        if self.stderr is not None:
+            text += f" ± {self.stderr:.{digits}f}"
+        return text + (f", n={self.n}" if self.n is not None else "")
 
 
 def task_score(result: dict[str, Any], task: str, metric: str) -> Score | None:
@@ -33,7 +44,9 @@ def task_score(result: dict[str, Any], task: str, metric: str) -> Score | None:
     content, or None when the file does not have it."""
     summary = (result.get("tasks") or {}).get(task)
     if isinstance(summary, dict) and _number(summary.get(metric)) is not None:
-        return Score(_number(summary[metric]), _number(summary.get(f"{metric}_stderr")))
+        n = summary.get("documents_scored")
+        return Score(_number(summary[metric]), _number(summary.get(f"{metric}_stderr")),
+                     n if isinstance(n, int) and not isinstance(n, bool) else None)
     for results in ((result.get("lm_eval") or {}).get("results"), result.get("results")):
         if not isinstance(results, dict):
             continue

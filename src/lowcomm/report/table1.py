@@ -50,6 +50,7 @@ class Table1Row:
     run_dir: Path | None  # None: a paper row no run reproduces (``include_unmatched_paper``)
     values: dict[str, float | None] = field(default_factory=dict)  # ours, keyed by COLUMNS' keys
     stderr: dict[str, float | None] = field(default_factory=dict)  # of the benchmark values
+    n: dict[str, int | None] = field(default_factory=dict)  # documents behind each benchmark value
     paper: PaperRow | None = None
     final_step: int | None = None
     eval_step: int | None = None
@@ -73,7 +74,7 @@ class Table1:
         loss = "validation loss" if self.loss == "val" else "last logged training loss"
         caption = (f"Cells: ours (the paper's). Final loss: our final {loss}, the paper's final training "
                    "loss. Tx MB/step: payload per worker per step, MB = 1e6 bytes. "
-                   "Benchmarks zero-shot; standard errors in the CSV.")
+                   "Benchmarks zero-shot, ours ± standard error (n documents).")
         return "\n".join([*lines, "", caption, *(f"- {note}" for note in self.notes)])
 
     def to_latex(self) -> str:
@@ -87,7 +88,7 @@ class Table1:
                 lines.append("\\midrule")
             previous_model = row.model
             cells = [_latex_escape(row.model), _latex_escape(row.label), _int(row.chunk), _int(row.topk)]
-            cells += [_pair(row, column, paper_format="{{\\small ({})}}") for column in COLUMNS]
+            cells += [_pair(row, column, paper_format="{{\\small ({})}}", plus_minus="$\\pm$") for column in COLUMNS]
             lines.append(" & ".join(cells) + " \\\\")
         lines += ["\\bottomrule", "\\end{tabular}"]
         return "\n".join(lines)
@@ -101,7 +102,7 @@ class Table1:
         for column in COLUMNS:
             header.append(column.key)
             if column.key in benchmark_keys:
-                header.append(f"{column.key}_stderr")
+                header += [f"{column.key}_stderr", f"{column.key}_n"]
             header.append(f"{column.key}_paper")
         header.append("ring_tx_MB_per_step")
         with path.open("w", newline="") as handle:
@@ -113,7 +114,7 @@ class Table1:
                 for column in COLUMNS:
                     record.append(row.values.get(column.key))
                     if column.key in benchmark_keys:
-                        record.append(row.stderr.get(column.key))
+                        record += [row.stderr.get(column.key), row.n.get(column.key)]
                     record.append(row.paper.values.get(column.key) if row.paper else None)
                 record.append(row.ring_tx_mb_per_step)
                 writer.writerow(["" if cell is None else cell for cell in record])
@@ -152,6 +153,7 @@ def build_table1(runs: list[RunRecord], paper_rows: list[PaperRow] | None = None
                 key = f"{task}_{metric}"
                 row.values[key] = score.value if score else None
                 row.stderr[key] = score.stderr if score else None
+                row.n[key] = score.n if score else None
             if run.final_step is not None and row.eval_step != run.final_step:
                 notes.append(f"{run.path}: benchmarks at step {row.eval_step} of {run.final_step}")
             notes += [note for note in result.get("notes", []) if note not in notes]
@@ -185,8 +187,13 @@ def format_value(value: float | None, column: Column) -> str:
     return f"{value:.4g}"
 
 
-def _pair(row: Table1Row, column: Column, paper_format: str = "({})") -> str:
+def _pair(row: Table1Row, column: Column, paper_format: str = "({})", plus_minus: str = "±") -> str:
     ours = format_value(row.values.get(column.key), column)
+    if row.stderr.get(column.key) is not None:
+        # an accuracy always with its standard error and the documents behind it
+        ours += f" {plus_minus} {format_value(row.stderr[column.key], column)}"
+        if row.n.get(column.key) is not None:
+            ours += f", n={row.n[column.key]}"
     paper = row.paper.printed.get(column.key) if row.paper else None
     if not paper:
         return ours

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from lowcomm.report.evals import task_score
+from lowcomm.report.evals import Score, task_score
 from lowcomm.report.runs import RunRecord
 
 SUMMARY_COLUMNS = [
@@ -29,13 +29,17 @@ def summary_rows(runs: list[RunRecord]) -> list[dict]:
             latest = run.evals[max(run.evals)]
             for _, task, metric in BENCHMARK_COLUMNS:
                 score = task_score(latest, task, metric)
-                row[f"{task}_{metric}"] = score.value if score else None
+                key = f"{task}_{metric}"
+                row[key] = score
+                row[f"{key}_stderr"] = score.stderr if score else None
+                row[f"{key}_n"] = score.n if score else None
         rows.append(row)
     return rows
 
 
 def summary_columns(rows: list[dict]) -> list[tuple[str, str]]:
-    """The summary columns, plus the benchmark columns when any row has scores."""
+    """The summary columns, plus the benchmark columns when any row has scores (Markdown shows
+    each as ``value ± stderr (n=N)``; the CSV gives value, stderr and n their own columns)."""
     benchmarks = [(title, f"{task}_{metric}") for title, task, metric in BENCHMARK_COLUMNS
                   if any(row.get(f"{task}_{metric}") is not None for row in rows)]
     return SUMMARY_COLUMNS + benchmarks
@@ -44,6 +48,8 @@ def summary_columns(rows: list[dict]) -> list[tuple[str, str]]:
 def _fmt(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, Score):
+        return value.describe()
     if isinstance(value, float):
         if abs(value) >= 1000:
             return f"{value:,.0f}"
@@ -59,10 +65,16 @@ def markdown_table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
 
 
 def write_csv(rows: list[dict], path: Path, columns=SUMMARY_COLUMNS) -> Path:
+    """Numbers at full precision; a benchmark score as three columns: value, stderr, n."""
+    keys = []
+    for _, key in columns:
+        keys.append(key)
+        if any(isinstance(row.get(key), Score) for row in rows):
+            keys += [f"{key}_stderr", f"{key}_n"]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow([key for _, key in columns])
+        writer.writerow(keys)
         for row in rows:
-            writer.writerow([row.get(key) for _, key in columns])
+            writer.writerow([row[key].value if isinstance(row.get(key), Score) else row.get(key) for key in keys])
     return path
