@@ -1,6 +1,8 @@
-"""``lowcomm-sweep``: a sweep file (``sweeps/<name>.yaml``) to SLURM, one job per point.
+"""``lowcomm-sweep``: a sweep file (``sweeps/<name>.yaml``) to SLURM, one job per point, or
+trained here (``run``).
 
     lowcomm-sweep list
+    lowcomm-sweep run table1_tiny                  # here, local workers: tune, seeds, the seed table
     lowcomm-sweep submit table1_1b --dry-run data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
     lowcomm-sweep submit table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
     lowcomm-sweep status table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
@@ -26,8 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowcomm.hardware import FS_BANDWIDTH as DEFAULT_FS_BANDWIDTH
@@ -299,6 +303,92 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: str, overrides: list[str],
+              started: float) -> dict[int, list] | None:
+    """Validate every job of one phase, then train them here one after the other; returns
+    each point's run configs (with the job), or None after a failure (named on stderr)."""
+    from lowcomm.config import ConfigError
+    from lowcomm.config.sweep import Sweep as SweepSpec
+    from lowcomm.config.sweep import plan_sweep
+    from lowcomm.launch.local import WorkerFailure, launch_local
+    from lowcomm.rundir import RunDir
+
+    try:
+        planned = plan_sweep(SweepSpec(sweep.name, sweep.description, [job.overrides for job in jobs], sweep.base),
+                             overrides)
+    except ConfigError as exc:
+        parser.exit(2, f"{PROG}: {exc}\n")
+    by_point: dict[int, list] = {}
+    pending = [p for p in planned if not RunDir(p.run.run_dir).summary.is_file()]
+    phase_started, done = time.perf_counter(), 0
+    print(f"[{phase}] {len(planned)} runs, {len(planned) - len(pending)} finished before", flush=True)
+    for index, plan in enumerate(planned, 1):
+        job = jobs[plan.number - 1]
+        by_point.setdefault(job.point, []).append((job, plan.run))
+        fresh = not RunDir(plan.run.run_dir).summary.is_file()
+        label = plan.run.raw.get("label") or plan.run.optimizer_name
+        eta = ""
+        if done:
+            eta = f", ETA {(time.perf_counter() - phase_started) / done * (len(pending) - done) / 60:.0f} min"
+        print(f"[{phase}] ({index}/{len(planned)}) {label}: {' '.join(plan.varying[-2:])} "
+              f"({(time.perf_counter() - started) / 60:.1f} min in{eta})", flush=True)
+        try:
+            launch_local(plan.run)
+        except WorkerFailure as exc:
+            print(f"{PROG}: {label} failed: {exc}", file=sys.stderr)
+            return None
+        done += fresh
+    return by_point
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Train a sweep on this machine (local workers, no SLURM). A sweep with ``tune`` runs in two
+    phases: every job at each factor of its tuned key on the shorter budget, then each at its
+    best value (lowest final validation loss) once per seed; then the seed table is written."""
+    from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
+    from lowcomm.report.figures import plot_seed_bands
+    from lowcomm.report.runs import load_run
+    from lowcomm.report.seeds import Group, grid_table, seed_rows, seed_table, write_rows
+
+    try:
+        sweep = load_sweep(args.sweep)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    started = time.perf_counter()
+    out = args.out or repo_root() / "results" / sweep.name
+    chosen, grid = None, {}
+    if sweep.tune is not None:
+        tuned = _run_jobs(parser, sweep, tuning_jobs(sweep), "tune", args.overrides, started)
+        if tuned is None:
+            return 1
+        chosen = {}
+        for point, entries in tuned.items():
+            losses = {job.value: load_run(run.run_dir).final_val_loss for job, run in entries}
+            chosen[point] = min(losses, key=losses.get)
+            grid[entries[0][1].raw.get("label") or entries[0][1].optimizer_name] = losses
+    final = _run_jobs(parser, sweep, final_jobs(sweep, chosen), "final", args.overrides, started)
+    if final is None:
+        return 1
+    groups = [Group(entries[0][1].raw.get("label") or entries[0][1].optimizer_name,
+                    [load_run(run.run_dir) for _job, run in entries]) for _point, entries in sorted(final.items())]
+    rows = seed_rows(groups, args.baseline)
+    text = seed_table(rows)
+    if grid:
+        text += f"\n\nTuning ({sweep.tune.key} over {', '.join(f'{f:g}x' for f in sweep.tune.factors)}, "
+        text += f"{' '.join(sweep.tune.overrides)}):\n\n" + grid_table(grid)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text + "\n")
+    write_rows(rows, out / "summary.csv")
+    figures = plot_seed_bands([(g.label, g.runs) for g in groups], out, formats=("png",),
+                              title=f"{sweep.name}: validation loss over seeds")
+    print(f"\n[{sweep.name}] {len(rows)} runs x {len(sweep.seeds or [0])} seeds in "
+          f"{(time.perf_counter() - started) / 60:.1f} min\n\n{text}\n")
+    print(f"table:   {out / 'summary.md'}\ntable:   {out / 'summary.csv'}")
+    for path in figures:
+        print(f"figure:  {path}")
+    return 0
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -331,6 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     status.add_argument("overrides", nargs="*", help=f"{overrides_help}; the same as at submission")
     status.set_defaults(handler=_status)
+
+    run = commands.add_parser(
+        "run", help="train a sweep here (local workers): tune, then seeds, then the seed table",
+        description="Train every job of a sweep on this machine. With the sweep's tune block, each job first "
+                    "runs at every factor of its tuned key on the shorter budget, then at the best value once per "
+                    "seed; the table (excess loss over the Bayes floor as mean ± std over seeds, bytes, a verdict "
+                    "against AdamW-DDP by a stated rule), the tuning grid and a figure with seed bands go to --out. "
+                    "Finished runs are not trained again. Example: lowcomm-sweep run table1_tiny")
+    run.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
+    run.add_argument("overrides", nargs="*", help="Hydra overrides added to every job, e.g. run_root=/scratch/runs")
+    run.add_argument("--out", type=Path, help="where the table and figure go (default: results/<sweep>)")
+    run.add_argument("--baseline", default="AdamW-DDP", help="the label every run is compared with")
+    run.set_defaults(handler=_run)
 
     listing = commands.add_parser("list", help="the sweeps in sweeps/")
     listing.set_defaults(handler=_list)

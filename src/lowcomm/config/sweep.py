@@ -9,6 +9,15 @@
           optimizer.compression_topk: [32, 16, 8]
     grid:                                           # cartesian product applied to every point (optional)
       seed: [0, 1]
+    tune:                                           # optional: tune one key of each job first
+      key: optimizer.lr
+      factors: [0.5, 1, 2]                          # x the job's own value of the key
+      overrides: [train.max_steps=200]              # the tuning runs' shorter budget
+    seeds: [0, 1, 2]                                # optional: the final runs, one per seed
+
+With ``tune``, each job is first run at every factor of its value on the shorter budget, and
+then, at the value with the lowest final validation loss, once per seed (``seeds``, default
+[0]) on the full budget (:func:`tuning_jobs`, :func:`final_jobs`; ``lowcomm-sweep run``).
 
 Jobs = for each point, its overrides x its own grid x the sweep's grid, each a list of Hydra
 overrides (base first), in file order with the last grid key varying fastest. A grid value that
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,8 +47,18 @@ from lowcomm.config.compose import compose
 from lowcomm.hardware import FS_BANDWIDTH, H100_BF16_PEAK_FLOPS, TYPICAL_MFU
 from lowcomm.models import build_model, count_parameters
 
-SWEEP_KEYS = ("description", "base", "points", "grid")
+SWEEP_KEYS = ("description", "base", "points", "grid", "tune", "seeds")
+TUNE_KEYS = ("key", "factors", "overrides")
 POINT_KEYS = ("overrides", "grid")
+
+
+@dataclass(frozen=True)
+class Tune:
+    """Tune ``key`` of every job over ``factors`` x its value, with ``overrides`` (a shorter budget)."""
+
+    key: str
+    factors: tuple[float, ...]
+    overrides: tuple[str, ...] = ()
 
 
 @dataclass
@@ -48,6 +68,72 @@ class Sweep:
     jobs: list[list[str]]  # each job's overrides, the base first
     base: list[str] = field(default_factory=list)  # the overrides every job starts with
     path: Path | None = None  # the sweep file
+    tune: Tune | None = None
+    seeds: list[int] | None = None  # the final runs' seeds (None: the jobs as they are)
+
+
+@dataclass(frozen=True)
+class TuningJob:
+    """One job of a two-phase sweep: ``point`` is its index in ``Sweep.jobs``."""
+
+    point: int
+    value: float  # of the tuned key
+    seed: int | None
+    overrides: list[str]
+
+
+def tuned_value(sweep: Sweep, point: int) -> float:
+    """The tuned key's value in job ``point`` as composed (its own override, else the config's)."""
+    value = OmegaConf.select(compose(sweep.jobs[point]), sweep.tune.key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{sweep.name}: job {point + 1} has no number at {sweep.tune.key} to tune ({value!r})")
+    return float(value)
+
+
+def tuning_jobs(sweep: Sweep) -> list[TuningJob]:
+    """Phase 1: every job at every factor of its tuned value, on the tuning budget, first seed."""
+    seed = (sweep.seeds or [None])[0]
+    jobs = []
+    for point, job in enumerate(sweep.jobs):
+        base_value = tuned_value(sweep, point)
+        for factor in sweep.tune.factors:
+            value = float(f"{base_value * factor:.6g}")
+            jobs.append(TuningJob(point, value, seed, [*job, *sweep.tune.overrides, _format(sweep.tune.key, value),
+                                                      *([] if seed is None else [f"seed={seed}"])]))
+    return jobs
+
+
+def final_jobs(sweep: Sweep, chosen: Mapping[int, float] | None = None) -> list[TuningJob]:
+    """Phase 2: every job at its ``chosen`` value of the tuned key (if tuned), once per seed."""
+    jobs = []
+    for point, job in enumerate(sweep.jobs):
+        value = None if chosen is None else chosen[point]
+        tuned = [] if value is None else [_format(sweep.tune.key, value)]
+        for seed in sweep.seeds or [None]:
+            jobs.append(TuningJob(point, value if value is not None else math.nan, seed,
+                                  [*job, *tuned, *([] if seed is None else [f"seed={seed}"])]))
+    return jobs
+
+
+def _tune(spec: Any, where: str) -> Tune | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or set(spec) - set(TUNE_KEYS) or "key" not in spec:
+        raise ValueError(f"{where}: tune is a mapping with key (required), factors and overrides, got {spec!r}")
+    factors = spec.get("factors")
+    if (not isinstance(factors, list) or len(factors) < 2
+            or not all(isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in factors)):
+        raise ValueError(f"{where}.factors: give at least two positive numbers, got {factors!r}")
+    return Tune(str(spec["key"]), tuple(float(f) for f in factors),
+                tuple(_overrides(spec.get("overrides") or [], f"{where}.overrides")))
+
+
+def _seeds(spec: Any, where: str) -> list[int] | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, list) or not spec or not all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
+        raise ValueError(f"{where}: give a non-empty list of integer seeds, got {spec!r}")
+    return list(spec)
 
 
 def sweep_path(name_or_path: str) -> Path:
@@ -125,7 +211,8 @@ def load_sweep(name_or_path: str) -> Sweep:
         for point_job in _point_jobs(point, f"{path}: points[{index}]")
         for combination in shared
     ]
-    return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(), jobs=jobs, base=base, path=path)
+    return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(), jobs=jobs, base=base, path=path,
+                 tune=_tune(spec.get("tune"), f"{path}: tune"), seeds=_seeds(spec.get("seeds"), f"{path}: seeds"))
 
 
 @dataclass

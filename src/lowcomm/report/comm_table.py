@@ -116,7 +116,14 @@ def traffic_function(
 ) -> Callable[[int], Traffic]:
     """W -> (payload, tx, rx, per-link) bytes per worker and step for one optimizer config
     (``warmup``: before its compression starts); the config is composed and validated once."""
-    raw = _compose_groups([f"model={model_name}", *overrides])
+    return config_traffic_function(_compose_groups([f"model={model_name}", *overrides]), meta_model,
+                                   gpus_per_node, warmup)
+
+
+def config_traffic_function(
+    raw: dict, meta_model=None, gpus_per_node: int = GPUS_PER_NODE, warmup: bool = False,
+) -> Callable[[int], Traffic]:
+    """:func:`traffic_function` of a composed config (a run directory's ``config.yaml``)."""
     strategy_cls, optimizer_cfg = validate_optimizer(raw)
     strategy = strategy_cls(optimizer_cfg, raw["compression"], Communicator())
     model = meta_model if meta_model is not None else build_model(ModelSpec(**raw["model"]), "meta")

@@ -206,3 +206,36 @@ def plot_loss_vs_wallclock(panels: list[tuple[str, list[Timeline]]], labels: lis
     axes[0][0].set_ylabel("validation loss")
     _legend_outside(axes[0][-1])
     return _save(fig, out_dir, stem, formats)
+
+
+def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *, stem: str = "loss_vs_cum_MB_seeds",
+                    title: str = "", formats: tuple[str, ...] = FORMATS) -> list[Path]:
+    """Validation loss against cumulative MB sent per worker, one line per group of runs that
+    differ only in their seed: the mean over seeds, and the band from the lowest to the highest
+    seed. Log x; a group that sent nothing before a validation is drawn from its first send."""
+    firsts = [runs[0] for _label, runs in groups]
+    colors = run_colors(firsts)
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    for (label, runs), first in zip(groups, firsts, strict=True):
+        series = [run.series("val/loss") for run in runs]
+        steps = sorted(set.intersection(*(set(s) for s, _ in series)))
+        if not steps:
+            continue
+        values = [[dict(zip(s, v, strict=True))[step] for s, v in series] for step in steps]
+        x = first.cumulative_mb_at(steps)
+        keep = [i for i, mb in enumerate(x) if mb > 0]
+        x = [x[i] for i in keep]
+        low, mean, high = ([min(values[i]) for i in keep], [sum(values[i]) / len(values[i]) for i in keep],
+                           [max(values[i]) for i in keep])
+        color = colors[id(first)]
+        ax.plot(x, mean, marker=FAMILY_MARKERS.get(first.optimizer, "."), ms=4, lw=1.4, color=color,
+                label=f"{label} ({len(runs)} seeds)")
+        ax.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative MB sent per worker (payload)")
+    ax.set_ylabel("validation loss (mean over seeds; band: min to max)")
+    ax.set_title(title or "validation loss vs cumulative MB, over seeds")
+    ax.grid(alpha=0.3, which="both")
+    _floor(ax, firsts)
+    _legend_outside(ax)
+    return _save(fig, out_dir, stem, formats)

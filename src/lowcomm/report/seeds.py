@@ -1,0 +1,126 @@
+"""A laptop Table 1 that can say yes or no: runs repeated over seeds, compared with AdamW-DDP by
+a rule stated before the numbers.
+
+Per run group (one sweep point at its tuned learning rate, several seeds): the excess
+validation loss over the corpus's Bayes floor as mean ± sample standard deviation over seeds,
+the payload MB per worker and step, the tx per rank at W = 64 under the ring algorithm (the
+comm table's formula: an all-gather's (W-1) x payload), the bytes' ratio to AdamW-DDP's, and a
+verdict:
+
+    comparable  if |gap| <= 2 x pooled seed std  and  |gap| <= 5 % of AdamW-DDP's mean excess
+    better / worse otherwise, by the gap's sign
+
+where gap = mean excess - AdamW-DDP's mean excess and pooled std = sqrt((s^2 + s_AdamW^2) / 2).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowcomm.report.comm_table import config_traffic_function
+from lowcomm.report.runs import RunRecord
+
+RULE = ("Verdict rule (fixed before the runs): comparable if |gap| <= 2 x pooled seed std and |gap| <= 5% of "
+        "AdamW-DDP's mean excess loss; otherwise better or worse by the gap's sign. gap = mean excess - "
+        "AdamW-DDP's mean excess; excess = final validation loss - Bayes floor; pooled std = "
+        "sqrt((s^2 + s_AdamW^2) / 2), s the sample standard deviation over seeds.")
+REFERENCE_WORLD = 64  # the paper's 8 nodes x 8 GPUs
+
+
+@dataclass
+class Group:
+    """One sweep point's runs over seeds."""
+
+    label: str
+    runs: list[RunRecord]
+
+    @property
+    def excess(self) -> list[float]:
+        return [run.final_val_loss - (run.bayes_floor or 0.0) for run in self.runs]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.excess)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.excess) if len(self.runs) > 1 else math.nan
+
+    @property
+    def payload_mb(self) -> float:
+        return self.runs[0].payload_mb_per_step
+
+    def tx_mb_at(self, world_size: int = REFERENCE_WORLD) -> float:
+        """tx per rank and step at ``world_size`` for this config on its own model, in MB."""
+        return config_traffic_function(self.runs[0].config)(world_size)[1] / 1e6
+
+
+def verdict(group: Group, baseline: Group) -> str:
+    """The stated rule (module doc)."""
+    gap = group.mean - baseline.mean
+    pooled = math.sqrt((group.std ** 2 + baseline.std ** 2) / 2)
+    if abs(gap) <= 2 * pooled and abs(gap) <= 0.05 * baseline.mean:
+        return "comparable"
+    return "better" if gap < 0 else "worse"
+
+
+def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[dict]:
+    """One row per group, the baseline's first."""
+    baseline = next((g for g in groups if g.label == baseline_label), None)
+    if baseline is None:
+        raise ValueError(f"no group labelled {baseline_label!r} to compare with; groups: {[g.label for g in groups]}")
+    base_tx = baseline.tx_mb_at()
+    rows = []
+    for group in sorted(groups, key=lambda g: g is not baseline):
+        tx = group.tx_mb_at()
+        rows.append({
+            "label": group.label, "seeds": len(group.runs), "lr": group.runs[0].config["optimizer"]["lr"],
+            "excess_mean": group.mean, "excess_std": group.std, "gap_to_adamw": group.mean - baseline.mean,
+            "payload_MB_per_step": group.payload_mb, f"tx_MB_per_rank_at_W{REFERENCE_WORLD}": tx,
+            "payload_ratio_to_adamw": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
+            f"tx_ratio_to_adamw_at_W{REFERENCE_WORLD}": base_tx / tx if tx else math.inf,
+            "verdict": "baseline" if group is baseline else verdict(group, baseline),
+        })
+    return rows
+
+
+def seed_table(rows: list[dict]) -> str:
+    """Markdown: the rule first, then the table."""
+    lines = [RULE, "",
+             f"| run | lr | seeds | excess loss (mean ± std) | gap to AdamW | payload MB/step | "
+             f"tx MB/rank at W={REFERENCE_WORLD} | fewer bytes than AdamW (payload / tx at W={REFERENCE_WORLD}) "
+             "| verdict |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['label']} | {row['lr']:.3g} | {row['seeds']} | {row['excess_mean']:.4f} ± {row['excess_std']:.4f} "
+            f"| {row['gap_to_adamw']:+.4f} | {row['payload_MB_per_step']:.4g} "
+            f"| {row[f'tx_MB_per_rank_at_W{REFERENCE_WORLD}']:.4g} "
+            f"| {row['payload_ratio_to_adamw']:.3g}x / {row[f'tx_ratio_to_adamw_at_W{REFERENCE_WORLD}']:.3g}x "
+            f"| {row['verdict']} |")
+    return "\n".join(lines)
+
+
+def grid_table(results: dict[str, dict[float, float]]) -> str:
+    """Markdown: the tuning runs' final validation loss, one row per label, one column per value
+    (the chosen value in bold)."""
+    lines = ["| run | final val loss at each lr (tuning budget; bold: chosen) |", "|---|---|"]
+    for label, by_value in results.items():
+        best = min(by_value, key=by_value.get)
+        cells = [f"**{value:.3g}: {loss:.4f}**" if value == best else f"{value:.3g}: {loss:.4f}"
+                 for value, loss in sorted(by_value.items())]
+        lines.append(f"| {label} | {', '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def write_rows(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

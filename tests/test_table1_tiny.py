@@ -1,0 +1,117 @@
+"""The laptop Table 1: two-phase sweeps (tune, then seeds), the seed statistics and the stated
+verdict rule on hand-computed cases, and ``lowcomm-sweep run`` end to end on a micro sweep."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from lowcomm.cli.sweep import main as sweep_main
+from lowcomm.config.compose import compose
+from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
+from lowcomm.report.runs import RunRecord
+from lowcomm.report.seeds import RULE, Group, seed_rows, verdict
+
+FLOOR = 2.0
+
+
+def _group(label: str, excess: list[float], payload: float = 0.3, config: dict | None = None) -> Group:
+    return Group(label, [RunRecord(path=f"{label}-{i}", config=config or {}, metrics=[],
+                                   summary={"final_val_loss": FLOOR + e, "bayes_floor": FLOOR,
+                                            "payload_MB_per_step": payload})
+                         for i, e in enumerate(excess)])
+
+
+def test_the_table1_tiny_sweep_tunes_every_point_then_runs_three_seeds():
+    sweep = load_sweep("table1_tiny")
+    assert sweep.tune.key == "optimizer.lr" and sweep.tune.factors == (0.5, 1.0, 2.0)
+    assert sweep.seeds == [0, 1, 2]
+    tuning = tuning_jobs(sweep)
+    assert len(tuning) == 3 * len(sweep.jobs)
+    # AdamW-DDP's quickstart lr 6e-3: 3e-3, 6e-3, 1.2e-2 on the 200-step budget, seed 0
+    assert [job.value for job in tuning[:3]] == [0.003, 0.006, 0.012]
+    assert tuning[0].overrides[-3:] == ["train.max_steps=200", "optimizer.lr=0.003", "seed=0"]
+    final = final_jobs(sweep, {point: 0.006 for point in range(len(sweep.jobs))})
+    assert len(final) == 3 * len(sweep.jobs)
+    assert [job.overrides[-2:] for job in final[:3]] == [["optimizer.lr=0.006", f"seed={s}"] for s in (0, 1, 2)]
+    labels = [OmegaConf.select(compose(job), "label") for job in sweep.jobs]
+    assert {"AdamW-DDP", "DeMo k=32", "DeMo k=8", "DeMo k=1"} <= set(labels)
+
+
+def test_a_malformed_tune_block_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("points: [[optimizer=adamw_ddp]]\ntune: {key: optimizer.lr, factors: [1]}\n")
+    with pytest.raises(ValueError, match="tune.factors: give at least two positive numbers"):
+        load_sweep(str(path))
+    path.write_text("points: [[optimizer=adamw_ddp]]\nseeds: [0, one]\n")
+    with pytest.raises(ValueError, match="seeds: give a non-empty list of integer seeds"):
+        load_sweep(str(path))
+
+
+def test_seed_statistics_are_the_mean_and_sample_std_of_the_excess_loss():
+    group = _group("x", [0.80, 0.82, 0.84])
+    assert group.mean == pytest.approx(0.82) and group.std == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize(("excess", "expected"), [
+    ([0.81, 0.83, 0.85], "comparable"),  # gap 0.01 <= 2 x 0.02 and <= 5% of 0.82 (0.041)
+    ([0.90, 0.92, 0.94], "worse"),       # gap 0.08 > 2 x 0.02
+    ([0.70, 0.72, 0.74], "better"),      # gap -0.10
+    ([0.70, 0.86, 1.02], "comparable"),  # gap 0.04: pooled std 0.114, and 0.04 <= 0.041
+    ([0.71, 0.87, 1.03], "worse"),       # gap 0.05: within 2 pooled std (0.228) but above 5% (0.041)
+])
+def test_the_verdict_follows_the_stated_rule(excess, expected):
+    assert verdict(_group("x", excess), _group("AdamW-DDP", [0.80, 0.82, 0.84])) == expected
+
+
+def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
+    adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
+    demo_config = OmegaConf.to_container(compose(["optimizer=demo", "optimizer.compression_topk=8"]), resolve=True)
+    groups = [_group("DeMo k=8", [0.9, 0.9], payload=0.004, config=demo_config),
+              _group("AdamW-DDP", [0.8, 0.8], payload=0.311296, config=adamw_config)]
+    rows = {row["label"]: row for row in seed_rows(groups)}
+    # AdamW-DDP, bf16 wire: 155,648 parameters x 2 B, ring all-reduce at W=64: 2 x 63/64 of it
+    assert rows["AdamW-DDP"]["tx_MB_per_rank_at_W64"] == pytest.approx(2 * 63 / 64 * 311_296 / 1e6, rel=1e-6)
+    assert rows["AdamW-DDP"]["verdict"] == "baseline"
+    # DeMo: an all-gather, every rank sends the 63 others' payloads and its own: 63 x payload
+    demo = rows["DeMo k=8"]
+    payload = demo["tx_MB_per_rank_at_W64"] / 63
+    assert demo["payload_ratio_to_adamw"] == pytest.approx(0.311296 / 0.004)
+    assert demo["tx_ratio_to_adamw_at_W64"] == pytest.approx(rows["AdamW-DDP"]["tx_MB_per_rank_at_W64"] / (63 * payload))
+    assert demo["verdict"] == "worse" and math.isnan(_group("one", [0.5]).std)
+    with pytest.raises(ValueError, match="no group labelled 'AdamW-DDP'"):
+        seed_rows(groups[:1])
+
+
+@pytest.mark.slow
+def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, capsys):
+    sweep = tmp_path / "micro.yaml"
+    sweep.write_text(
+        "base: [experiment=quickstart, train.max_steps=4, train.warmup_steps=null, train.eval_every=2,\n"
+        "       train.log_every=2, train.checkpoint_every=0]\n"
+        "points:\n"
+        "  - [optimizer=adamw_ddp, optimizer.lr=6e-3, \"label='AdamW-DDP'\"]\n"
+        "  - [optimizer=demo, optimizer.lr=6e-3, optimizer.compression_topk=4, \"label='DeMo k=4'\"]\n"
+        "tune: {key: optimizer.lr, factors: [0.5, 1], overrides: [train.max_steps=2]}\n"
+        "seeds: [0, 1]\n")
+    out = tmp_path / "out"
+    overrides = [f"run_root={tmp_path / 'runs'}", "wandb.mode=disabled", "cluster.workers=2",
+                 "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=64",
+                 "train.eval_instances=8", "data.train_tokens=32768", "data.val_tokens=2048"]
+    assert sweep_main(["run", str(sweep), "--out", str(out), *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert "[tune] 4 runs" in printed and "[final] 4 runs" in printed
+    table = (out / "summary.md").read_text()
+    assert table.startswith(RULE)
+    assert "| AdamW-DDP |" in table and "| DeMo k=4 |" in table and "baseline" in table
+    assert "Tuning (optimizer.lr over 0.5x, 1x" in table and "**" in table
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [row["label"] for row in rows] == ["AdamW-DDP", "DeMo k=4"]
+    assert all(row["seeds"] == "2" and float(row["excess_std"]) >= 0 for row in rows)
+    assert (out / "loss_vs_cum_MB_seeds.png").stat().st_size > 0
+    # a rerun trains nothing again
+    assert sweep_main(["run", str(sweep), "--out", str(out), *overrides]) == 0
+    assert "[tune] 4 runs, 4 finished before" in capsys.readouterr().out
