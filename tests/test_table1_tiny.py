@@ -13,7 +13,7 @@ from lowcomm.cli.sweep import main as sweep_main
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
 from lowcomm.report.runs import RunRecord
-from lowcomm.report.seeds import RULE, Group, seed_rows, verdict
+from lowcomm.report.seeds import RULE, Group, seed_rows, seed_table, verdict
 
 FLOOR = 2.0
 
@@ -21,7 +21,8 @@ FLOOR = 2.0
 def _group(label: str, excess: list[float], payload: float = 0.3, config: dict | None = None) -> Group:
     return Group(label, [RunRecord(path=f"{label}-{i}", config=config or {}, metrics=[],
                                    summary={"final_val_loss": FLOOR + e, "bayes_floor": FLOOR,
-                                            "payload_MB_per_step": payload})
+                                            "payload_MB_per_step": payload,
+                                            "parameters": 155_648, "tokens": 1_228_800})
                          for i, e in enumerate(excess)])
 
 
@@ -86,6 +87,17 @@ def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
         seed_rows(groups[:1])
 
 
+def test_the_table_states_the_budget_in_tokens_per_parameter():
+    adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
+    rows = seed_rows([_group("AdamW-DDP", [0.8, 0.82], config=adamw_config)])
+    assert rows[0]["tokens_per_parameter"] == pytest.approx(1_228_800 / 155_648)
+    text = seed_table(rows)
+    assert text.splitlines()[2] == ("Budget: 155,648 parameters, 1,228,800 training tokens per run, "
+                                    "7.9 tokens per parameter.")
+    rows.append(dict(rows[0], label="other", tokens=409_600))
+    assert seed_table(rows).splitlines()[2].startswith("Budget: differs between rows")
+
+
 @pytest.mark.slow
 def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, capsys):
     sweep = tmp_path / "micro.yaml"
@@ -105,7 +117,7 @@ def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, caps
     printed = capsys.readouterr().out
     assert "[tune] 4 runs" in printed and "[final] 4 runs" in printed
     table = (out / "summary.md").read_text()
-    assert table.startswith(RULE)
+    assert table.startswith(RULE) and "tokens per parameter" in table
     assert "| AdamW-DDP |" in table and "| DeMo k=4 |" in table and "baseline" in table
     assert "Tuning (optimizer.lr over 0.5x, 1x" in table and "**" in table
     rows = list(csv.DictReader((out / "summary.csv").open()))

@@ -54,6 +54,14 @@ class Group:
     def payload_mb(self) -> float:
         return self.runs[0].payload_mb_per_step
 
+    @property
+    def tokens_per_parameter(self) -> float:
+        """Training tokens per model parameter of the group's first run (nan without a summary)."""
+        summary = self.runs[0].summary or {}
+        if not summary.get("tokens") or not summary.get("parameters"):
+            return math.nan
+        return summary["tokens"] / summary["parameters"]
+
     def tx_mb_at(self, world_size: int = REFERENCE_WORLD) -> float:
         """tx per rank and step at ``world_size`` for this config on its own model, in MB."""
         return config_traffic_function(self.runs[0].config)(world_size)[1] / 1e6
@@ -79,6 +87,9 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
         tx = group.tx_mb_at()
         rows.append({
             "label": group.label, "seeds": len(group.runs), "lr": group.runs[0].config["optimizer"]["lr"],
+            "parameters": (group.runs[0].summary or {}).get("parameters"),
+            "tokens": (group.runs[0].summary or {}).get("tokens"),
+            "tokens_per_parameter": group.tokens_per_parameter,
             "excess_mean": group.mean, "excess_std": group.std, "gap_to_adamw": group.mean - baseline.mean,
             "payload_MB_per_step": group.payload_mb, f"tx_MB_per_rank_at_W{REFERENCE_WORLD}": tx,
             "payload_ratio_to_adamw": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
@@ -89,8 +100,8 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
 
 
 def seed_table(rows: list[dict]) -> str:
-    """Markdown: the rule first, then the table."""
-    lines = [RULE, "",
+    """Markdown: the rule first, then the budget (tokens per parameter), then the table."""
+    lines = [RULE, "", budget_line(rows), "",
              f"| run | lr | seeds | excess loss (mean ± std) | gap to AdamW | payload MB/step | "
              f"tx MB/rank at W={REFERENCE_WORLD} | fewer bytes than AdamW (payload / tx at W={REFERENCE_WORLD}) "
              "| verdict |",
@@ -103,6 +114,17 @@ def seed_table(rows: list[dict]) -> str:
             f"| {row['payload_ratio_to_adamw']:.3g}x / {row[f'tx_ratio_to_adamw_at_W{REFERENCE_WORLD}']:.3g}x "
             f"| {row['verdict']} |")
     return "\n".join(lines)
+
+
+def budget_line(rows: list[dict]) -> str:
+    """The training budget of the table's runs, in tokens per parameter (the runs of a sweep
+    share model and budget; a table that mixes them says so)."""
+    budgets = {(row["parameters"], row["tokens"]) for row in rows}
+    if len(budgets) != 1 or None in next(iter(budgets)):
+        return "Budget: differs between rows (see summary.csv: parameters, tokens, tokens_per_parameter)."
+    parameters, tokens = next(iter(budgets))
+    return (f"Budget: {parameters:,} parameters, {tokens:,} training tokens per run, "
+            f"{tokens / parameters:.1f} tokens per parameter.")
 
 
 def grid_table(results: dict[str, dict[float, float]]) -> str:
