@@ -127,3 +127,16 @@ def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, caps
     # a rerun trains nothing again
     assert sweep_main(["run", str(sweep), "--out", str(out), *overrides]) == 0
     assert "[tune] 4 runs, 4 finished before" in capsys.readouterr().out
+
+
+def test_sweep_run_names_a_bad_final_job_before_the_tuning_phase_starts(tmp_path, capsys):
+    sweep = tmp_path / "bad_final.yaml"
+    # the tuning budget is valid, the final one is not: nothing may train
+    sweep.write_text("base: [experiment=quickstart, train.max_steps=0]\n"
+                     "points: [[optimizer=adamw_ddp, \"label='AdamW-DDP'\"]]\n"
+                     "tune: {key: optimizer.lr, factors: [0.5, 1], overrides: [train.max_steps=2]}\n"
+                     "seeds: [0, 1]\n")
+    with pytest.raises(SystemExit) as exited:
+        sweep_main(["run", str(sweep), "--out", str(tmp_path / "out"), f"run_root={tmp_path / 'runs'}"])
+    assert exited.value.code == 2 and "max_steps" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

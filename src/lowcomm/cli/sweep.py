@@ -303,21 +303,27 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _plan_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, overrides: list[str]) -> list:
+    """Compose and validate ``jobs`` (exits 2 naming every bad job)."""
+    from lowcomm.config import ConfigError
+    from lowcomm.config.sweep import Sweep as SweepSpec
+    from lowcomm.config.sweep import plan_sweep
+
+    try:
+        return plan_sweep(SweepSpec(sweep.name, sweep.description, [job.overrides for job in jobs], sweep.base),
+                          overrides)
+    except ConfigError as exc:
+        parser.exit(2, f"{PROG}: {exc}\n")
+
+
 def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: str, overrides: list[str],
               started: float) -> dict[int, list] | None:
     """Validate every job of one phase, then train them here one after the other; returns
     each point's run configs (with the job), or None after a failure (named on stderr)."""
-    from lowcomm.config import ConfigError
-    from lowcomm.config.sweep import Sweep as SweepSpec
-    from lowcomm.config.sweep import plan_sweep
     from lowcomm.launch.local import WorkerFailure, launch_local
     from lowcomm.rundir import RunDir
 
-    try:
-        planned = plan_sweep(SweepSpec(sweep.name, sweep.description, [job.overrides for job in jobs], sweep.base),
-                             overrides)
-    except ConfigError as exc:
-        parser.exit(2, f"{PROG}: {exc}\n")
+    planned = _plan_jobs(parser, sweep, jobs, overrides)
     by_point: dict[int, list] = {}
     pending = [p for p in planned if not RunDir(p.run.run_dir).summary.is_file()]
     phase_started, done = time.perf_counter(), 0
@@ -358,6 +364,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     out = args.out or repo_root() / "results" / sweep.name
     chosen, grid = None, {}
     if sweep.tune is not None:
+        # The final runs differ from these only in the tuned value (a positive factor of a valid
+        # one): a bad seed or budget is named now, not after the tuning phase's minutes.
+        _plan_jobs(parser, sweep, final_jobs(sweep), args.overrides)
         tuned = _run_jobs(parser, sweep, tuning_jobs(sweep), "tune", args.overrides, started)
         if tuned is None:
             return 1
