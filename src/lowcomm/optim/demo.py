@@ -107,7 +107,7 @@ class _InFlight:
 
 def demo_errors(
     *, compression_decay: float, compression_topk: int, compression_chunk: int, weight_decay: float,
-    momentum_subtraction: float, projection: str, base: str, wire: str,
+    momentum_subtraction: float, projection: str, base: str, wire: str, bucket_numel: int | None = None,
 ) -> list[str]:
     """The argument rules of :class:`DeMo` (and FlexDeMo), one message per broken rule."""
     errors = []
@@ -124,6 +124,8 @@ def demo_errors(
                                  ("wire", wire, WIRES)):
         if value not in allowed:
             errors.append(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if bucket_numel is not None and bucket_numel < 1:
+        errors.append(f"bucket_numel={bucket_numel} must be None (the largest parameter's size) or >= 1")
     return errors
 
 class DeMo(torch.optim.Optimizer):
@@ -180,9 +182,8 @@ class DeMo(torch.optim.Optimizer):
             compression_decay=compression_decay, compression_topk=compression_topk,
             compression_chunk=compression_chunk, weight_decay=weight_decay,
             momentum_subtraction=momentum_subtraction, projection=projection, base=base, wire=wire,
+            bucket_numel=bucket_numel,
         ))
-        if bucket_numel is not None and bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be None or >= 1, got {bucket_numel}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,

@@ -42,13 +42,11 @@ class DeMoConfig(OptimizerConfig):
     bucket_numel: int | None = None
 
     def validate(self) -> list[str]:
-        bucket = ([] if self.bucket_numel is None or self.bucket_numel >= 1 else
-                  [f"optimizer.bucket_numel={self.bucket_numel} must be null or >= 1"])
-        return super().validate() + bucket + as_config_errors(demo_errors(
+        return super().validate() + as_config_errors(demo_errors(
             compression_decay=self.compression_decay, compression_topk=self.compression_topk,
             compression_chunk=self.compression_chunk, weight_decay=self.weight_decay,
             momentum_subtraction=self.momentum_subtraction, projection=self.projection, base=self.base,
-            wire=self.wire,
+            wire=self.wire, bucket_numel=self.bucket_numel,
         ))
 
 
