@@ -43,7 +43,14 @@ import sys
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 from netns import limit_rate, network_namespace  # benchmarks/netns.py
+
+from lowcomm.config import validate
+from lowcomm.config.compose import compose
+from lowcomm.report.figures import FAMILY_MARKERS, run_colors
+from lowcomm.report.runs import load_run
+from lowcomm.report.wallclock import Link, compute_seconds_per_step, parse_bandwidth, timeline
 
 WORLD = 4 if (os.cpu_count() or 1) >= 4 else 2  # a core per worker; the quickstart's batch takes 1, 2 or 4
 TARGET = 0.25
@@ -53,15 +60,6 @@ OPTIMIZERS = {
     "DeMo k=32 one bucket": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.bucket_numel=10000000000"],
     "DiLoCo H=10": ["optimizer=diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
 }
-
-
-def parse_rate(text: str) -> float:
-    """``100M`` / ``20Mbit`` / ``1G`` -> bits per second."""
-    units = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9}
-    stripped = text.removesuffix("bit/s").removesuffix("bit")
-    if stripped and stripped[-1] in units:
-        return float(stripped[:-1]) * units[stripped[-1]]
-    return float(stripped)
 
 
 def _rate_name(bits_per_s: float) -> str:
@@ -90,12 +88,6 @@ def train_in(namespace: str, overrides: list[str]) -> None:
         raise RuntimeError(f"training failed ({' '.join(overrides)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
 
 
-def measured_step_s(run) -> float:
-    """Mean measured time of ``train_step`` (summary.json's tokens/s, timed with the device clock)."""
-    train = run.config["train"]
-    return train["global_batch_size"] * train["seq_len"] / run.summary["tokens_per_s"]
-
-
 def measured_times(run) -> tuple[list[int], list[float]]:
     """Wall-clock seconds at each logged step: the measured windows (``perf/step_s``) summed."""
     steps, windows = run.series("perf/step_s")
@@ -108,13 +100,6 @@ def measured_times(run) -> tuple[list[int], list[float]]:
 
 
 def plot(results: dict, runs: dict, rate_name: str, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lowcomm.report.figures import FAMILY_MARKERS, run_colors
-
     records = [runs[rate_name][label] for label in results["optimizers"]]
     colors = run_colors(records)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -150,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("needs root (ip netns add, tc)")
-    from lowcomm.config import validate
-    from lowcomm.config.compose import compose
-    from lowcomm.report.runs import load_run
-    from lowcomm.report.wallclock import Link, timeline
-
-    rates = [parse_rate(text) for text in args.links]
+    rates = [parse_bandwidth(text) for text in args.links]
     work = args.work
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"world_size": args.workers, "steps": args.steps, "optimizers": args.optimizers, "links": {},
@@ -177,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 carried = loopback_bytes(namespace) - before
                 run = load_run(validate(compose(overrides)).run_dir)
                 runs[name][label] = run
-                entry = {"measured_step_s": measured_step_s(run), "final_val_loss": run.final_val_loss,
+                entry = {"measured_step_s": compute_seconds_per_step(run), "final_val_loss": run.final_val_loss,
                          "kernel_MB_per_step": carried / 1e6 / args.steps,
                          "metered_tx_MB_per_step": args.workers * run.summary["tx_MB_per_step"]}
                 if rate is not None:

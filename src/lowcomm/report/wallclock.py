@@ -85,13 +85,22 @@ def parse_link(text: str) -> Link:
     if len(parts) != 3 or not parts[0]:
         raise ValueError(f"link {text!r}: expected NAME:BANDWIDTH:LATENCY, e.g. wan:1G:10ms")
     name, bandwidth, latency = parts
-    match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKMGT]?)(?:bit(?:/s)?|bps)?", bandwidth.strip())
-    if match is None:
-        raise ValueError(f"link {text!r}: bandwidth {bandwidth!r} is not a number of bits/s like 1G or 100Mbit")
     time = re.fullmatch(r"([0-9.eE+-]+)\s*(s|ms|us|µs|ns)", latency.strip())
     if time is None:
         raise ValueError(f"link {text!r}: latency {latency!r} needs a unit: s, ms, us or ns (e.g. 10ms)")
-    return Link(name, float(match.group(1)) * _SI[match.group(2)], float(time.group(1)) * _TIME[time.group(2)])
+    try:
+        bits_per_s = parse_bandwidth(bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"link {text!r}: {exc}") from None
+    return Link(name, bits_per_s, float(time.group(1)) * _TIME[time.group(2)])
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bits per second from ``1G``, ``100Mbit``, ``10Mbit/s`` or ``2.5e8``."""
+    match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKMGT]?)(?:bit(?:/s)?|bps)?", text.strip())
+    if match is None:
+        raise ValueError(f"bandwidth {text!r} is not a number of bits/s like 1G or 100Mbit")
+    return float(match.group(1)) * _SI[match.group(2)]
 
 
 def step_seconds(compute_s: float, comm_s: float, overlap: float) -> float:
