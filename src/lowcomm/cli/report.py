@@ -196,7 +196,7 @@ def wallclock_main(argv: list[str] | None = None) -> int:
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{args.stem}.md").write_text(markdown + "\n")
-    write_csv(rows, out_dir / f"{args.stem}.csv", columns=[(key, key) for key in rows[0]])
+    write_csv(rows, out_dir / f"{args.stem}.csv")
     print(markdown)
     print(f"table: {out_dir / f'{args.stem}.md'}\ntable: {out_dir / f'{args.stem}.csv'}")
     for path in plot_loss_vs_wallclock(panels, labels, out_dir, target=target, stem=f"loss_vs_{args.stem}",

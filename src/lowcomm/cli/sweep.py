@@ -354,7 +354,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
-    from lowcomm.report.seeds import Group, grid_table, seed_rows, seed_table, write_rows
+    from lowcomm.report.seeds import Group, grid_table, seed_rows, seed_table
+    from lowcomm.report.tables import write_csv
 
     try:
         sweep = load_sweep(args.sweep)
@@ -387,7 +388,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         text += f"{' '.join(sweep.tune.overrides)}):\n\n" + grid_table(grid)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text + "\n")
-    write_rows(rows, out / "summary.csv")
+    write_csv(rows, out / "summary.csv")
     figures = plot_seed_bands([(g.label, g.runs) for g in groups], out, formats=("png",),
                               title=f"{sweep.name}: validation loss over seeds")
     print(f"\n[{sweep.name}] {len(rows)} runs x {len(sweep.seeds or [0])} seeds in "

@@ -15,11 +15,9 @@ where gap = mean excess - AdamW-DDP's mean excess and pooled std = sqrt((s^2 + s
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 from lowcomm.report.comm_table import config_traffic_function
 from lowcomm.report.runs import RunRecord
@@ -137,12 +135,3 @@ def grid_table(results: dict[str, dict[float, float]]) -> str:
                  for value, loss in sorted(by_value.items())]
         lines.append(f"| {label} | {', '.join(cells)} |")
     return "\n".join(lines)
-
-
-def write_rows(rows: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path

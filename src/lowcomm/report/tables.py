@@ -64,10 +64,11 @@ def markdown_table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
     return "\n".join([header, rule, *body])
 
 
-def write_csv(rows: list[dict], path: Path, columns=SUMMARY_COLUMNS) -> Path:
-    """Numbers at full precision; a benchmark score as three columns: value, stderr, n."""
+def write_csv(rows: list[dict], path: Path, columns=None) -> Path:
+    """Numbers at full precision; a benchmark score as three columns: value, stderr, n.
+    ``columns``: ``(title, key)`` pairs (default: every key of the first row, in order)."""
     keys = []
-    for _, key in columns:
+    for _, key in columns if columns is not None else [(key, key) for key in rows[0]]:
         keys.append(key)
         if any(isinstance(row.get(key), Score) for row in rows):
             keys += [f"{key}_stderr", f"{key}_n"]
