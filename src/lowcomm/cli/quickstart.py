@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     finished_before = sum(RunDir(run.run_dir).summary.is_file() for run in runs)
     for index, run in enumerate(runs, 1):
-        label = run.raw.get("label") or run.optimizer_name
+        label = run.label
         print(f"\n[quickstart] ({index}/{len(runs)}) {label}: {run.run_dir}", flush=True)
         try:
             launch_local(run)

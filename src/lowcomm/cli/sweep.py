@@ -332,7 +332,7 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
         job = jobs[plan.number - 1]
         by_point.setdefault(job.point, []).append((job, plan.run))
         fresh = not RunDir(plan.run.run_dir).summary.is_file()
-        label = plan.run.raw.get("label") or plan.run.optimizer_name
+        label = plan.run.label
         eta = ""
         if done:
             eta = f", ETA {(time.perf_counter() - phase_started) / done * (len(pending) - done) / 60:.0f} min"
@@ -375,11 +375,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         for point, entries in tuned.items():
             losses = {job.value: load_run(run.run_dir).final_val_loss for job, run in entries}
             chosen[point] = min(losses, key=losses.get)
-            grid[entries[0][1].raw.get("label") or entries[0][1].optimizer_name] = losses
+            grid[entries[0][1].label] = losses
     final = _run_jobs(parser, sweep, final_jobs(sweep, chosen), "final", args.overrides, started)
     if final is None:
         return 1
-    groups = [Group(entries[0][1].raw.get("label") or entries[0][1].optimizer_name,
+    groups = [Group(entries[0][1].label,
                     [load_run(run.run_dir) for _job, run in entries]) for _point, entries in sorted(final.items())]
     rows = seed_rows(groups, args.baseline)
     text = seed_table(rows)

@@ -155,6 +155,11 @@ class RunConfig:
     def strategy_class(self):
         return STRATEGIES[self.optimizer_name]
 
+    @property
+    def label(self) -> str:
+        """The config's ``label`` (a name for tables and plots), else the optimizer's name."""
+        return self.raw.get("label") or self.optimizer_name
+
 
 # Keys that do not change what is trained, so they do not change the run name.
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
