@@ -188,9 +188,9 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     selection, out_dir = _select(parser, args)
     runs, labels = selection.runs, distinct_labels(selection.runs)
     try:
-        panels = [(link.describe(), [timeline(run, link, intra=intra) for run in runs]) for link in links]
-        target = args.target_excess if args.target_excess is not None else default_target(panels[0][1])
-        markdown, rows = wallclock_table(runs, links, target, labels, intra=intra)
+        per_link = [[timeline(run, link, intra=intra) for run in runs] for link in links]
+        target = args.target_excess if args.target_excess is not None else default_target(per_link[0])
+        markdown, rows = wallclock_table(per_link, labels, target)
     except ValueError as exc:
         print(f"lowcomm-wallclock: {exc}", file=sys.stderr)
         return 2
@@ -199,6 +199,7 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     write_csv(rows, out_dir / f"{args.stem}.csv")
     print(markdown)
     print(f"table: {out_dir / f'{args.stem}.md'}\ntable: {out_dir / f'{args.stem}.csv'}")
+    panels = [(timelines[0].link.describe(), timelines) for timelines in per_link]
     for path in plot_loss_vs_wallclock(panels, labels, out_dir, target=target, stem=f"loss_vs_{args.stem}",
                                        formats=tuple(args.formats)):
         print(f"figure: {path}")

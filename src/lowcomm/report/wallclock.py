@@ -207,17 +207,18 @@ def default_target(timelines: list[Timeline]) -> float:
     return max(best)
 
 
-def wallclock_table(runs: list[RunRecord], links: list[Link], target: float, labels: list[str],
-                    *, intra: Link = INTRA_NODE) -> tuple[str, list[dict]]:
-    """Markdown (one section per link) and rows: per run, compute and traffic time per step,
-    the time to reach ``target`` excess loss, and the whole run's time."""
+def wallclock_table(per_link: list[list[Timeline]], labels: list[str], target: float) -> tuple[str, list[dict]]:
+    """Markdown (one section per link) and rows from the runs' timelines on each link (each
+    list in the order of ``labels``): per run, compute and traffic time per step, the time to
+    reach ``target`` excess loss, and the whole run's time."""
     rows: list[dict] = []
     lines = [f"Model: {MODEL_TEXT}.", f"Target: excess validation loss over the Bayes floor <= {target:.4f}.", ""]
-    for link in links:
+    for timelines in per_link:
+        link = timelines[0].link
         lines += [f"### {link.describe()}", "",
                   "| run | W | compute s/step | traffic s/step | overlap | time to target | whole run |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
-        timed = [(label, timeline(run, link, intra=intra)) for run, label in zip(runs, labels, strict=True)]
+        timed = list(zip(labels, timelines, strict=True))
         order = sorted(timed, key=lambda item: (item[1].time_to_excess(target) is None,
                                                 item[1].time_to_excess(target) or math.inf))
         for label, item in order:
