@@ -43,3 +43,10 @@ def limit_rate(namespace: str, bits_per_s: float | None) -> str:
         subprocess.run([*base, "add", "dev", "lo", "root", "tbf", "rate", f"{int(bits_per_s)}bit",
                         "burst", str(2 * SHAPED_MTU), "latency", "1s"], check=True, capture_output=True, text=True)
     return subprocess.run([*base, "show", "dev", "lo"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def loopback_tx_bytes(namespace: str) -> int:
+    """Bytes the namespace's loopback has carried, from its own counter, read from outside it."""
+    done = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
+                          check=True, capture_output=True, text=True)
+    return int(done.stdout)

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from netns import limit_rate, network_namespace  # benchmarks/netns.py
+from netns import limit_rate, loopback_tx_bytes, network_namespace  # benchmarks/netns.py
 
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
@@ -71,13 +71,6 @@ def _overrides(label: str, steps: int, run_root: Path, workers: int) -> list[str
             f"train.warmup_steps={max(1, steps // 10)}", "train.checkpoint_every=0",
             f"train.log_every={max(1, steps // 10)}", f"train.eval_every={max(1, steps // 5)}",
             f"run_root={run_root}", f"label='{label}'", *OPTIMIZERS[label]]
-
-
-def loopback_bytes(namespace: str) -> int:
-    """Bytes the namespace's loopback has carried (its own counter)."""
-    done = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
-                          check=True, capture_output=True, text=True)
-    return int(done.stdout)
 
 
 def train_in(namespace: str, overrides: list[str]) -> None:
@@ -152,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             for label in args.optimizers:
                 print(f"[wan]   {label} ({time.perf_counter() - started:.0f} s)", flush=True)
                 overrides = _overrides(label, args.steps, work / name, args.workers)
-                before = loopback_bytes(namespace)
+                before = loopback_tx_bytes(namespace)
                 train_in(namespace, overrides)
-                carried = loopback_bytes(namespace) - before
+                carried = loopback_tx_bytes(namespace) - before
                 run = load_run(validate(compose(overrides)).run_dir)
                 runs[name][label] = run
                 entry = {"measured_step_s": compute_seconds_per_step(run), "final_val_loss": run.final_val_loss,

@@ -41,3 +41,11 @@ def quickstart_points() -> dict[str, list[str]]:
 
 def point_id(point: str) -> str:
     return point.split("|")[1].split("=", 1)[1]
+
+
+def micro_sweep_overrides(run_root: Path) -> list[str]:
+    """Overrides that shrink a quickstart-based sweep to seconds per run (2 workers, 4 sequences
+    of 64 tokens per step, a 32k-token corpus), for end-to-end tests of the sweep drivers."""
+    return [f"run_root={run_root}", "wandb.mode=disabled", "cluster.workers=2", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.seq_len=64", "train.eval_instances=8", "data.train_tokens=32768",
+            "data.val_tokens=2048"]

@@ -12,6 +12,7 @@ from lowcomm.cli.quickstart import main
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep
+from runs import micro_sweep_overrides
 
 
 def test_every_quickstart_run_validates_with_a_distinct_run_name():
@@ -32,10 +33,8 @@ def test_a_reduced_quickstart_writes_the_table_and_figures(tmp_path, capsys):
         "  - [optimizer=demo, optimizer.compression_topk=4, \"label='DeMo k=4'\"]\n"
     )
     out = tmp_path / "out"
-    overrides = [f"run_root={tmp_path / 'runs'}", "wandb.mode=disabled", "cluster.workers=2",
-                 "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=64",
-                 "train.max_steps=4", "train.warmup_steps=1", "train.eval_every=2", "train.log_every=2",
-                 "train.eval_instances=8", "data.train_tokens=32768", "data.val_tokens=2048"]
+    overrides = [*micro_sweep_overrides(tmp_path / "runs"), "train.max_steps=4", "train.warmup_steps=1",
+                 "train.eval_every=2", "train.log_every=2"]
     assert main(["--sweep", str(sweep), "--out", str(out), "--eval-limit", "2", *overrides]) == 0
     printed = capsys.readouterr().out
     for name in ("summary.md", "summary.csv", "loss_vs_step.png", "loss_vs_cum_MB.png", "loss_vs_mb.png"):

@@ -14,6 +14,7 @@ from lowcomm.config.compose import compose
 from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
 from lowcomm.report.runs import RunRecord
 from lowcomm.report.seeds import RULE, Group, seed_rows, seed_table, verdict
+from runs import micro_sweep_overrides
 
 FLOOR = 2.0
 
@@ -110,9 +111,7 @@ def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, caps
         "tune: {key: optimizer.lr, factors: [0.5, 1], overrides: [train.max_steps=2]}\n"
         "seeds: [0, 1]\n")
     out = tmp_path / "out"
-    overrides = [f"run_root={tmp_path / 'runs'}", "wandb.mode=disabled", "cluster.workers=2",
-                 "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=64",
-                 "train.eval_instances=8", "data.train_tokens=32768", "data.val_tokens=2048"]
+    overrides = micro_sweep_overrides(tmp_path / "runs")
     assert sweep_main(["run", str(sweep), "--out", str(out), *overrides]) == 0
     printed = capsys.readouterr().out
     assert "[tune] 4 runs" in printed and "[final] 4 runs" in printed
