@@ -17,29 +17,21 @@ from omegaconf import OmegaConf
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
-from lowcomm.optim.desloc import DESLoc
-from lowcomm.strategies.local import DESLocConfig, DESLocStrategy
+from lowcomm.optim.desloc import DESLoc, DESLocArgs
+from lowcomm.strategies.desloc import DESLocConfig, DESLocStrategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 3
 STEPS = 20
 SHAPES = [(4, 3), (4,)]
 
-# name -> DESLoc keyword arguments (beyond the parameters and the communicator)
+# name -> DESLoc's arguments
 RUNS = {
     # the paper's update: no bias correction, no weight decay; K_u, K_v default to 3 K_x, 6 K_x
-    "paper": dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, clip=0.5, sync_x=2),
-    "adamw": dict(
-        lr=0.02,
-        betas=(0.8, 0.9),
-        eps=1e-6,
-        clip=None,
-        sync_x=2,
-        sync_u=3,
-        sync_v=5,
-        weight_decay=0.1,
-        bias_correction=True,
-    ),
+    "paper": DESLocArgs(lr=0.02, betas=[0.9, 0.95], eps=1e-8, clip=0.5, sync_x=2, sync_u=None, sync_v=None,
+                        weight_decay=0.0, bias_correction=False),
+    "adamw": DESLocArgs(lr=0.02, betas=[0.8, 0.9], eps=1e-6, clip=None, sync_x=2, sync_u=3, sync_v=5,
+                        weight_decay=0.1, bias_correction=True),
 }
 
 
@@ -71,25 +63,25 @@ def _train(optimizer: DESLoc, params, comm, rank, steps) -> tuple[list[list[torc
 
 def _worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_workers' signature
     results = {}
-    for name, kwargs in RUNS.items():
+    for name, args in RUNS.items():
         comm = Communicator()
         params = [torch.nn.Parameter(p) for p in _initial_params()]
         history, payload_bytes = _train(
-            DESLoc(params, comm=comm, **kwargs), params, comm, rank, range(1, STEPS + 1)
+            DESLoc(params, args, comm=comm), params, comm, rank, range(1, STEPS + 1)
         )
         results[name] = {"history": history, "payload_bytes": payload_bytes}
 
     # Resume at step 9 (between every period's syncs) into fresh, differently initialised tensors.
     comm = Communicator()
     params = [torch.nn.Parameter(p) for p in _initial_params()]
-    optimizer = DESLoc(params, comm=comm, **RUNS["paper"])
+    optimizer = DESLoc(params, RUNS["paper"], comm=comm)
     _train(optimizer, params, comm, rank, range(1, 10))
     buffer = io.BytesIO()
     torch.save({"params": [p.detach() for p in params], "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer)
     params = [torch.nn.Parameter(torch.zeros_like(p)) for p in saved["params"]]
-    optimizer = DESLoc(params, comm=comm, **RUNS["paper"])
+    optimizer = DESLoc(params, RUNS["paper"], comm=comm)
     with torch.no_grad():
         for param, value in zip(params, saved["params"], strict=True):
             param.copy_(value)
@@ -107,16 +99,16 @@ def worker_results() -> list[dict]:
     return [torch.load(io.BytesIO(blob)) for blob in spawn_workers(_worker, WORLD)]
 
 
-def _periods(kwargs: dict) -> tuple[int, int, int]:
-    sync_x = kwargs["sync_x"]
-    return sync_x, kwargs.get("sync_u", 3 * sync_x), kwargs.get("sync_v", 6 * sync_x)
+def _periods(args: DESLocArgs) -> tuple[int, int, int]:
+    sync_x = args.sync_x
+    return sync_x, args.sync_u or 3 * sync_x, args.sync_v or 6 * sync_x
 
 
-def _simulate(kwargs: dict) -> tuple[list[list[list[torch.Tensor]]], int]:
+def _simulate(args: DESLocArgs) -> tuple[list[list[list[torch.Tensor]]], int]:
     """history[step][rank][param] and how many gradient coordinates the clip changed."""
-    lr, (beta1, beta2), eps, clip = kwargs["lr"], kwargs["betas"], kwargs["eps"], kwargs["clip"]
-    weight_decay, bias_correction = kwargs.get("weight_decay", 0.0), kwargs.get("bias_correction", False)
-    sync_x, sync_u, sync_v = _periods(kwargs)
+    lr, (beta1, beta2), eps, clip = args.lr, args.betas, args.eps, args.clip
+    weight_decay, bias_correction = args.weight_decay, args.bias_correction
+    sync_x, sync_u, sync_v = _periods(args)
     theta = [_initial_params() for _ in range(WORLD)]
     m = [[torch.zeros(s, dtype=torch.float64) for s in SHAPES] for _ in range(WORLD)]
     v = [[torch.zeros(s, dtype=torch.float64) for s in SHAPES] for _ in range(WORLD)]
@@ -155,7 +147,7 @@ def _simulate(kwargs: dict) -> tuple[list[list[list[torch.Tensor]]], int]:
 @pytest.mark.parametrize("run", list(RUNS))
 def test_matches_simulation_of_the_equations(worker_results, run):
     expected, clipped = _simulate(RUNS[run])
-    if RUNS[run]["clip"] is not None:
+    if RUNS[run].clip is not None:
         assert clipped > 0  # the clip is exercised
     for step in range(STEPS):
         for rank in range(WORLD):
@@ -172,7 +164,7 @@ def test_matches_simulation_of_the_equations(worker_results, run):
 def test_the_parameter_average_is_taken_before_the_local_update(worker_results, run):
     """Right after a step with t % K_x == 0, theta_{t+1} = mean(theta_t) - lr u_t^m: the workers
     still differ by their own updates (averaging after the update would make them equal)."""
-    sync_x = RUNS[run]["sync_x"]
+    sync_x = RUNS[run].sync_x
     for step in range(sync_x, STEPS + 1, sync_x):
         per_rank = [torch.cat([p.flatten() for p in worker_results[r][run]["history"][step - 1]])
                     for r in range(WORLD)]
@@ -191,7 +183,7 @@ def test_bytes_follow_each_period(worker_results, run):
     for rank in range(WORLD):
         assert worker_results[rank][run]["payload_bytes"] == expected
     amortised = DESLoc.amortized_payload_bytes(
-        SHAPES, sync_x, RUNS[run].get("sync_u"), RUNS[run].get("sync_v"), torch.float64
+        SHAPES, sync_x, RUNS[run].sync_u, RUNS[run].sync_v, torch.float64
     )
     assert amortised == pytest.approx(state_bytes * (1 / sync_x + 1 / sync_u + 1 / sync_v))
 
@@ -211,7 +203,7 @@ def test_config_file_strategy_and_amortised_bytes():
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DESLocConfig), fields))
     assert cfg.validate() == []
     assert (cfg.sync_x, cfg.sync_u, cfg.sync_v, cfg.clip, cfg.bias_correction) == (10, None, None, 1.0, False)
-    assert DESLocConfig(sync_x=0, clip=-1.0).validate() == [
+    assert DESLocConfig.defaults(sync_x=0, clip=-1.0).validate() == [
         "optimizer.clip must be null or > 0, got -1.0",
         "optimizer.sync_x must be >= 1, got 0",
     ]

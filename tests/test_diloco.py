@@ -21,14 +21,15 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.quantize import Quantize
 from lowcomm.compress.registry import build_codec
 from lowcomm.compress.topk import TopK
-from lowcomm.optim.diloco import DiLoCo
-from lowcomm.strategies.local import DiLoCoConfig, DiLoCoStrategy
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
+from lowcomm.strategies.diloco import DiLoCoConfig, DiLoCoStrategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
 STEPS = 8
 INNER = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
-OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_every=3)
+OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_every=3, error_feedback=None)
+TWO_STEPS = DiLoCoArgs(**{**OUTER, "sync_every": 2})
 TOPK_FRACTION = 0.2
 EF_BETA = 0.9
 
@@ -57,13 +58,12 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _diloco(model, overrides, compression, comm) -> DiLoCo:
-    kwargs = {**OUTER, **overrides}
     return DiLoCo(
         list(model.parameters()),
         lambda params: torch.optim.AdamW(params, **INNER),
+        DiLoCoArgs(**{**OUTER, **overrides}),
         compressor=build_codec(compression),
         comm=comm,
-        **kwargs,
     )
 
 
@@ -213,9 +213,7 @@ def test_one_worker_h1_plain_outer_step_equals_the_inner_optimizer():
     diloco = DiLoCo(
         list(wrapped.parameters()),
         torch.optim.AdamW(wrapped.parameters(), **INNER),
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        sync_every=1,
+        DiLoCoArgs(**{**OUTER, "outer_lr": 1.0, "outer_momentum": 0.0, "sync_every": 1}),
         comm=Communicator(),
     )
     for step in range(1, 11):
@@ -229,7 +227,7 @@ def test_one_worker_h1_plain_outer_step_equals_the_inner_optimizer():
 
 def test_schedule_drives_the_inner_lr():
     model = _model()
-    diloco = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), sync_every=2)
+    diloco = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), TWO_STEPS)
     schedule = torch.optim.lr_scheduler.LambdaLR(diloco, lambda step: 1 / (step + 2))
     assert diloco.inner.param_groups[0]["lr"] == pytest.approx(INNER["lr"] / 2)
     _backward(model, 0, 1)
@@ -242,10 +240,10 @@ def test_the_schedule_still_drives_the_inner_lr_after_a_resume():
     from lowcomm.train.schedule import apply_lr
 
     model = _model()
-    saved = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), sync_every=2)
+    saved = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), TWO_STEPS)
     _backward(model, 0, 1)
     saved.step()
-    resumed = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), sync_every=2)
+    resumed = DiLoCo(list(model.parameters()), lambda params: torch.optim.AdamW(params, **INNER), TWO_STEPS)
     resumed.load_state_dict(saved.state_dict())
     apply_lr(resumed, 0.25)
     assert resumed.inner.param_groups[0]["lr"] == pytest.approx(INNER["lr"] / 4)
@@ -254,9 +252,9 @@ def test_the_schedule_still_drives_the_inner_lr_after_a_resume():
 def test_rejects_mismatched_inner_and_feedback_without_codec():
     model, other = _model(), _model()
     with pytest.raises(ValueError, match="exactly the parameters"):
-        DiLoCo(list(model.parameters()), torch.optim.AdamW(other.parameters()), sync_every=2)
+        DiLoCo(list(model.parameters()), torch.optim.AdamW(other.parameters()), TWO_STEPS)
     with pytest.raises(ValueError, match="needs a compressor"):
-        DiLoCo(list(model.parameters()), torch.optim.AdamW, sync_every=2, error_feedback=0.9)
+        DiLoCo(list(model.parameters()), torch.optim.AdamW, DiLoCoArgs(**{**OUTER, "error_feedback": 0.9}))
 
 
 # -------------------------------------------------------------------------------- strategy
@@ -273,7 +271,7 @@ def test_config_file_matches_schema_and_validates():
         0.7,
         0.9,
     )
-    assert DiLoCoConfig(sync_every=0, outer_momentum=1.0, error_feedback=2.0).validate() == [
+    assert DiLoCoConfig.defaults(sync_every=0, outer_momentum=1.0, error_feedback=2.0).validate() == [
         "optimizer.sync_every must be >= 1, got 0",
         "optimizer.outer_momentum must be in [0, 1), got 1.0",
         "optimizer.error_feedback must be null or in [0, 1], got 2.0",
@@ -286,18 +284,18 @@ def test_config_file_matches_schema_and_validates():
 def test_strategy_builds_diloco_and_reports_amortised_bytes():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
     numel = sum(p.numel() for p in model.parameters())
-    dense = DiLoCoStrategy(DiLoCoConfig(sync_every=10), {"name": "none"}, Communicator())
+    dense = DiLoCoStrategy(DiLoCoConfig.defaults(sync_every=10), {"name": "none"}, Communicator())
     wrapped, optimizer = dense.build(model)
     assert wrapped is model and isinstance(optimizer, DiLoCo) and optimizer.compressor is None
     assert isinstance(optimizer.inner, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 4e-4
     assert dense.analytic_payload_bytes(model) == pytest.approx(numel * 4 / 10)
 
     compressed = DiLoCoStrategy(
-        DiLoCoConfig(sync_every=10, error_feedback=0.7), {"name": "topk", "fraction": 0.01}, Communicator()
+        DiLoCoConfig.defaults(sync_every=10, error_feedback=0.7), {"name": "topk", "fraction": 0.01}, Communicator()
     )
     _, optimizer = compressed.build(copy.deepcopy(model))
     assert isinstance(optimizer.compressor, TopK)
     kept = sum(max(1, int(0.01 * p.numel())) for p in model.parameters())
     assert compressed.analytic_payload_bytes(model) == pytest.approx(kept * 8 / 10)
     with pytest.raises(ValueError, match="error_feedback"):
-        DiLoCoStrategy(DiLoCoConfig(error_feedback=0.7), {"name": "none"}, Communicator()).build(model)
+        DiLoCoStrategy(DiLoCoConfig.defaults(error_feedback=0.7), {"name": "none"}, Communicator()).build(model)

@@ -115,15 +115,15 @@ def _scenarios_worker(rank: int, world: int, run_dir: str) -> bytes:  # noqa: AR
     results = {}
     try:
         # DeMo on the unsharded model: the |S| = 1 reference and the memory baseline
-        strategy, model, optimizer = build(DeMoStrategy, DeMoConfig(**OPTIONS))
+        strategy, model, optimizer = build(DeMoStrategy, DeMoConfig.defaults(**OPTIONS))
         results["demo"] = train_steps(strategy, model, optimizer, rank, range(STEPS))
         results["demo_bytes"] = held_bytes(model, optimizer)
 
-        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig(**OPTIONS, shard_group_size=1))
+        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig.defaults(**OPTIONS, shard_group_size=1))
         results["flex1"] = train_steps(strategy, model, optimizer, rank, range(STEPS))
 
         # 2 x 2, with a checkpoint half-way and a resume into a fresh model and optimizer
-        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig(**OPTIONS, shard_group_size=2))
+        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig.defaults(**OPTIONS, shard_group_size=2))
         first = train_steps(strategy, model, optimizer, rank, range(CHECKPOINT_AT))
         CheckpointManager(Path(run_dir), strategy.comm, strategy, keep=1).save(
             CHECKPOINT_AT, model, optimizer, consumed=0
@@ -132,13 +132,13 @@ def _scenarios_worker(rank: int, world: int, run_dir: str) -> bytes:  # noqa: AR
         results["flex2_bytes"] = held_bytes(model, optimizer)
         final_state = strategy.model_state_dict(model)
 
-        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig(**OPTIONS, shard_group_size=2), seed=1)
+        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig.defaults(**OPTIONS, shard_group_size=2), seed=1)
         restored = CheckpointManager(Path(run_dir), strategy.comm, strategy, keep=1).restore_latest(model, optimizer)
         assert restored is not None and restored.step == CHECKPOINT_AT
         results["flex2_resumed"] = train_steps(strategy, model, optimizer, rank, range(CHECKPOINT_AT, STEPS))
         results["flex2_final_state"] = final_state
 
-        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig(**OPTIONS, shard_group_size=4))
+        strategy, model, optimizer = build(FlexDeMoStrategy, FlexDeMoConfig.defaults(**OPTIONS, shard_group_size=4))
         results["flex4"] = train_steps(strategy, model, optimizer, rank, range(2))
         results["flex4_bytes"] = held_bytes(model, optimizer)
     finally:
@@ -207,15 +207,15 @@ def test_row_shards_follow_torch_chunk(rows, size):
 def test_config_yaml_matches_the_schema():
     yaml = OmegaConf.to_container(OmegaConf.load(CONFIGS / "optimizer" / "flexdemo.yaml"))
     assert yaml.pop("name") == "flexdemo"
-    assert FlexDeMoConfig(**yaml) == FlexDeMoConfig()
-    assert FlexDeMoConfig().shard_group_size is None
-    assert any("optimizer.shard_group_size" in e for e in FlexDeMoConfig(shard_group_size=0).validate())
+    assert FlexDeMoConfig(**yaml) == FlexDeMoConfig.defaults()
+    assert FlexDeMoConfig.defaults().shard_group_size is None
+    assert any("optimizer.shard_group_size" in e for e in FlexDeMoConfig.defaults(shard_group_size=0).validate())
 
 
 def test_analytic_bytes_of_olmo_1b_on_8_nodes_of_8():
     model = build_model(ModelSpec(d_model=2048, n_heads=16, n_layers=16, vocab_size=50280, embedding_size=50304),
                         "meta")
-    strategy = FlexDeMoStrategy(FlexDeMoConfig(shard_group_size=8), {"name": "none"}, Communicator())
+    strategy = FlexDeMoStrategy(FlexDeMoConfig.defaults(shard_group_size=8), {"name": "none"}, Communicator())
     scopes = strategy.analytic_scope_bytes(model, world_size=64, local_world_size=8)
     block = 2048 * (3 * 2048 + 2048 + 2 * 8192 + 8192)  # att_proj, attn_out, ff_proj (SwiGLU), ff_out
     embedding = 50304 * 2048

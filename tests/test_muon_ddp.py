@@ -15,7 +15,7 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config.compose import compose
 from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model, count_parameters
-from lowcomm.optim.grouping import CombinedOptimizer, muon_adamw, split_muon_adamw
+from lowcomm.optim.grouping import CombinedOptimizer, MuonArgs, muon_adamw, split_muon_adamw
 from lowcomm.strategies.muon_ddp import MuonDDP, MuonDDPConfig
 from lowcomm.train.metrics import read_metrics
 from lowcomm.train.schedule import apply_lr
@@ -73,9 +73,9 @@ def _toy_step(model: torch.nn.Module, step: int) -> None:
     model.norm(model.linear(model.lookup(tokens))).square().mean().backward()
 
 
-HYPER = dict(lr=0.02, adamw_lr=0.003, weight_decay=0.1, momentum=0.95, nesterov=True,
-             adjust_lr_fn="match_rms_adamw", ns_steps=5, betas=(0.9, 0.95), eps=1e-8,
-             decay_embeddings=True)  # the reference below decays every AdamW parameter
+HYPER = MuonArgs(lr=0.02, adamw_lr=0.003, weight_decay=0.1, muon_momentum=0.95, muon_nesterov=True,
+                 adjust_lr_fn="match_rms_adamw", ns_steps=5, betas=[0.9, 0.95], eps=1e-8,
+                 decay_embeddings=True)  # the reference below decays every AdamW parameter
 SCHEDULE = [1.0, 0.5, 0.25, 0.125]
 
 
@@ -93,7 +93,7 @@ def test_combined_optimizer_equals_muon_and_adamw_side_by_side_through_a_schedul
         reference.zero_grad()
 
     model = _toy(0)
-    optimizer = muon_adamw(model, **HYPER)
+    optimizer = muon_adamw(model, HYPER)
     assert sorted(optimizer.parts) == ["adamw", "muon"]
     for step, multiplier in enumerate(SCHEDULE[:2]):
         apply_lr(optimizer, multiplier)
@@ -106,7 +106,7 @@ def test_combined_optimizer_equals_muon_and_adamw_side_by_side_through_a_schedul
     saved = torch.load(buffer)
     model = _toy(1)
     model.load_state_dict(saved["model"])
-    optimizer = muon_adamw(model, **HYPER)
+    optimizer = muon_adamw(model, HYPER)
     optimizer.load_state_dict(saved["optimizer"])
     for step, multiplier in enumerate(SCHEDULE[2:], start=2):
         apply_lr(optimizer, multiplier)  # reaches the parts only if load_state_dict kept the groups live
@@ -150,7 +150,7 @@ def _ddp_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_wo
     torch.set_num_threads(1)
     comm = Communicator()
     # fp32 wire and decayed embedding: the float64 single-process reference below is exact only so
-    strategy = MuonDDP(MuonDDPConfig(lr=LR, wire_dtype="float32", decay_embeddings=True), {"name": "none"}, comm)
+    strategy = MuonDDP(MuonDDPConfig.defaults(lr=LR, wire_dtype="float32", decay_embeddings=True), {"name": "none"}, comm)
     ddp, optimizer = strategy.build(_model())
     payload_bytes = []
     for step in range(STEPS):
@@ -185,7 +185,7 @@ def test_ddp_workers_stay_identical_and_match_one_process_on_the_whole_batch():
         assert result["payload_bytes"] == [8 * count_parameters(model)] * STEPS
     fp32_model = build_model(SPEC, "meta")
     for wire_dtype, element_bytes in (("float32", 4), ("bfloat16", 2)):
-        strategy = MuonDDP(MuonDDPConfig(wire_dtype=wire_dtype), {}, Communicator())
+        strategy = MuonDDP(MuonDDPConfig.defaults(wire_dtype=wire_dtype), {}, Communicator())
         assert strategy.analytic_payload_bytes(fp32_model) == element_bytes * count_parameters(fp32_model)
 
 

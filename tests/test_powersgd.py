@@ -20,7 +20,7 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model
-from lowcomm.optim.powersgd import PowerSGDReducer
+from lowcomm.optim.powersgd import PowerSGDArgs, PowerSGDReducer
 from lowcomm.strategies.powersgd import PowerSGD, PowerSGDConfig
 from lowcomm.train.loop import next_token_loss
 from lowcomm.train.metrics import read_metrics
@@ -49,7 +49,7 @@ def _params() -> dict[str, torch.nn.Parameter]:
 
 
 def _reducer(comm: Communicator, params, **kwargs) -> PowerSGDReducer:
-    return PowerSGDReducer(comm, params.items(), start_powerSGD_iter=0, **kwargs)
+    return PowerSGDReducer(comm, params.items(), PowerSGDArgs.defaults(start_powerSGD_iter=0, **kwargs))
 
 
 def _steps(reducer: PowerSGDReducer, comm: Communicator, rank: int, steps) -> tuple[list[dict], list[int]]:
@@ -166,7 +166,7 @@ def test_state_dict_resume_continues_exactly(reducer_results):
 # ------------------------------------------------------------------------- through DDP
 def _ddp_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_workers' signature
     torch.set_num_threads(1)
-    cfg = PowerSGDConfig(start_powerSGD_iter=0, matrix_approximation_rank=64, min_compression_rate=0.25)
+    cfg = PowerSGDConfig.defaults(start_powerSGD_iter=0, matrix_approximation_rank=64, min_compression_rate=0.25)
     strategy = PowerSGD(cfg, {"name": "none"}, Communicator())
     spec = ModelSpec()
     ddp, _ = strategy.build(build_model(spec, "cpu", seed=0))

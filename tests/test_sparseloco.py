@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.chunked_topk import ChunkedTopK, pack_uint12, unpack_uint12
-from lowcomm.optim.sparseloco import SparseLoCo
+from lowcomm.optim.sparseloco import SparseLoCo, SparseLoCoArgs
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.sparseloco import SparseLoCoConfig, SparseLoCoStrategy
 from lowcomm.train.checkpoint import list_checkpoints
@@ -167,8 +167,9 @@ STEP4_GRAD_0 = [[1.0, 1.0], [0.0, 0.0]]
 
 
 def _hand_optimizer(param, comm, aggregate):
-    return SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=1, outer_lr=1.0,
-                      error_feedback=0.5, chunk=2, topk=1, bits=None, wire="packed", aggregate=aggregate, comm=comm)
+    args = SparseLoCoArgs.defaults(sync_every=1, outer_lr=1.0, outer_momentum=0.0, error_feedback=0.5, chunk=2,
+                                   topk=1, bits=None, wire="packed", aggregate=aggregate)
+    return SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), args, comm=comm)
 
 
 # A wider case with 2-bit values and H = 2 for the resume check: any shape, any numbers.
@@ -176,8 +177,9 @@ WIDE_SHAPES = [(6, 10), (7,)]
 
 
 def _wide_optimizer(params, comm):
-    return SparseLoCo(params, lambda ps: torch.optim.AdamW(ps, lr=0.05), sync_every=2, outer_lr=0.8,
-                      error_feedback=0.95, chunk=4, topk=3, bits=2, wire="packed", comm=comm)
+    args = SparseLoCoArgs.defaults(sync_every=2, outer_lr=0.8, outer_momentum=0.0, error_feedback=0.95, chunk=4,
+                                   topk=3, bits=2, wire="packed", aggregate="mean")
+    return SparseLoCo(params, lambda ps: torch.optim.AdamW(ps, lr=0.05), args, comm=comm)
 
 
 def _wide_params():
@@ -291,9 +293,9 @@ def test_config_file_holds_the_paper_defaults_and_validates():
     assert cfg.validate() == []
     assert (cfg.sync_every, cfg.outer_lr, cfg.outer_momentum, cfg.error_feedback) == (15, 1.0, 0.0, 0.95)
     assert (cfg.chunk, cfg.topk, cfg.bits, cfg.wire, cfg.binning) == (64, 64, 2, "packed", "reference")
-    assert SparseLoCoConfig(chunk=128, topk=64).validate() == [
+    assert SparseLoCoConfig.defaults(chunk=128, topk=64).validate() == [
         "optimizer.wire=packed sends 12-bit block indices, so chunk must be <= 64, got 128"]
-    assert SparseLoCoConfig(bits=3, aggregate="sum").validate() == [
+    assert SparseLoCoConfig.defaults(bits=3, aggregate="sum").validate() == [
         "optimizer.bits must be null or one of 2, 4, 8, got 3",
         "optimizer.aggregate must be one of mean, senders, got 'sum'",
     ]
@@ -302,7 +304,7 @@ def test_config_file_holds_the_paper_defaults_and_validates():
 
 def test_strategy_reports_amortised_packed_bytes():
     model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 128, bias=False))
-    strategy = SparseLoCoStrategy(SparseLoCoConfig(), {"name": "none"}, Communicator())
+    strategy = SparseLoCoStrategy(SparseLoCoConfig.defaults(), {"name": "none"}, Communicator())
     wrapped, optimizer = strategy.build(model)
     assert wrapped is model and isinstance(optimizer, SparseLoCo) and strategy.wire_collective() == "all_gather"
     # each 64x128 / 128x64 weight: two 64x64 blocks x 64 kept = 128 entries: 192 B of indices,

@@ -33,8 +33,8 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.e3m0 import E3M0
 from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
-from lowcomm.optim.diloco import DiLoCo
-from lowcomm.optim.streaming_diloco import StreamingDiLoCo, fragment_params
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
+from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs, fragment_params
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCoConfig, StreamingDiLoCoStrategy
 from lowcomm.train.metrics import read_metrics
@@ -95,17 +95,18 @@ def test_fragments_group_blocks_strided_or_sequential_with_embedding_first_and_h
 
 def test_schedule_staggers_the_fragments_evenly():
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
-    optimizer = StreamingDiLoCo([[p] for p in params], lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=8)
+    optimizer = StreamingDiLoCo([[p] for p in params], lambda ps: torch.optim.SGD(ps, lr=1.0),
+                                StreamingDiLoCoArgs.defaults(sync_every=8))
     assert optimizer.offsets == [0, 2, 4, 6]
     assert [optimizer.fragments_sent_at(t) for t in range(1, 9)] == [[], [1], [], [2], [], [3], [], [0]]
 
 
 # ---------------------------------------------------------------------------- on real workers
 def _optimizer(params, comm, codec, **overrides):
-    kwargs = dict(sync_every=2, overlap=1, mixing=0.5, outer_lr=0.5, outer_momentum=0.0)
-    kwargs.update(overrides)
-    return StreamingDiLoCo([[p] for p in params], lambda ps: torch.optim.SGD(ps, lr=1.0), compressor=codec,
-                           comm=comm, **kwargs)
+    args = StreamingDiLoCoArgs.defaults(**{**dict(sync_every=2, overlap=1, mixing=0.5, outer_lr=0.5,
+                                                  outer_momentum=0.0), **overrides})
+    return StreamingDiLoCo([[p] for p in params], lambda ps: torch.optim.SGD(ps, lr=1.0), args, compressor=codec,
+                           comm=comm)
 
 
 def _run(optimizer, params, comm, rank, steps):
@@ -132,9 +133,10 @@ def _nesterov_pair(comm, rank):
     plain = [torch.nn.Parameter(t.clone()) for t in start]
     inner = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
     optimizers = [
-        StreamingDiLoCo([streaming], inner, sync_every=3, overlap=0, mixing=0.0, outer_lr=0.7, outer_momentum=0.9,
-                        comm=comm),
-        DiLoCo(plain, inner, sync_every=3, outer_lr=0.7, outer_momentum=0.9, comm=comm),
+        StreamingDiLoCo([streaming], inner, StreamingDiLoCoArgs(sync_every=3, overlap=0, mixing=0.0, outer_lr=0.7,
+                                                                outer_momentum=0.9, nesterov=True), comm=comm),
+        DiLoCo(plain, inner, DiLoCoArgs(sync_every=3, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
+                                        error_feedback=None), comm=comm),
     ]
     for step in range(1, 8):
         grads = torch.Generator().manual_seed(10 * rank + step)
@@ -222,9 +224,9 @@ def test_config_file_holds_the_paper_settings_and_validates():
     assert cfg.validate() == []
     assert (cfg.sync_every, cfg.num_fragments, cfg.pattern, cfg.overlap, cfg.mixing, cfg.quantization) == (
         100, 4, "strided", 1, 0.5, "e3m0")
-    assert StreamingDiLoCoConfig(sync_every=4, num_fragments=5, overlap=4, pattern="x").validate() == [
-        "optimizer.num_fragments must be <= sync_every (one staggered offset per fragment), got 5 > 4",
+    assert StreamingDiLoCoConfig.defaults(sync_every=4, num_fragments=5, overlap=4, pattern="x").validate() == [
         "optimizer.overlap must be in [0, sync_every), got 4",
+        "optimizer.num_fragments must be <= sync_every (one staggered offset per fragment), got 5 > 4",
         "optimizer.pattern must be one of strided, sequential, got 'x'",
     ]
     assert STRATEGIES["streaming_diloco"] is StreamingDiLoCoStrategy
@@ -232,14 +234,14 @@ def test_config_file_holds_the_paper_settings_and_validates():
 
 def test_strategy_bytes_amortised_and_peak():
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)])
-    cfg = StreamingDiLoCoConfig(sync_every=8, num_fragments=4, quantization="none")
+    cfg = StreamingDiLoCoConfig.defaults(sync_every=8, num_fragments=4, quantization="none")
     strategy = StreamingDiLoCoStrategy(cfg, {"name": "none"}, Communicator())
     _, optimizer = strategy.build(model)
     assert [len(f) for f in optimizer.fragments] == [1, 1, 1, 1]
     assert strategy.analytic_payload_bytes(model) == 4 * 64 * 4 / 8
     assert strategy.analytic_peak_payload_bytes(model) == 64 * 4
     assert strategy.wire_collective() == "all_reduce"
-    e3m0 = StreamingDiLoCoStrategy(StreamingDiLoCoConfig(sync_every=8), {"name": "none"}, Communicator())
+    e3m0 = StreamingDiLoCoStrategy(StreamingDiLoCoConfig.defaults(sync_every=8), {"name": "none"}, Communicator())
     assert e3m0.analytic_payload_bytes(model) == 4 * (32 + 4) / 8 and e3m0.wire_collective() == "all_gather"
 
 
@@ -284,7 +286,7 @@ def test_comm_table_rows_for_the_paper_models(model, parameters):
     rows = build_table([model], 64, [("streaming", ["optimizer=streaming_diloco"], False)])
     tensors = 1 + 4 * 16
     assert rows[0].payload_mb * 1e6 == pytest.approx((parameters / 2 + 4 * tensors) / 100, rel=1e-9)
-    cfg = StreamingDiLoCoConfig()
+    cfg = StreamingDiLoCoConfig.defaults()
     strategy = StreamingDiLoCoStrategy(cfg, {"name": "none"}, Communicator())
     spec = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{model}.yaml"))
     from lowcomm.models import ModelSpec  # noqa: PLC0415

@@ -29,7 +29,13 @@ class Payload:
 
 
 class Codec(Protocol):
+    """``name``: its ``compression`` config name. ``decodes_mean``: whether ``decode`` of the W
+    workers' payloads is the workers' mean (or the mean over the workers that sent each
+    entry): the property an optimizer that averages a tensor over workers needs of a codec
+    (DiLoCo's ``accepts_codec``); a codec whose decode is, say, a majority vote is not one."""
+
     name: str
+    decodes_mean: bool
 
     def encode(self, tensor: torch.Tensor) -> Payload: ...
 

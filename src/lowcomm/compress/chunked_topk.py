@@ -74,6 +74,7 @@ class ChunkedTopK:
     """Per-block top-k (``topk`` of every ``chunk x chunk`` block) with ``bits``-bit values."""
 
     name = "chunked_topk"
+    decodes_mean = True  # decode(W payloads): their mean (see Codec)
 
     def __init__(self, chunk: int = 64, topk: int = 64, bits: int | None = 2, wire: str = "packed",
                  range_sigmas: float = 3.0, binning: str = "reference"):

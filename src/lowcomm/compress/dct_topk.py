@@ -39,6 +39,18 @@ _MAX_16BIT_BLOCK = 1 << 16
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def topk_block_errors(chunk: int, topk: int, topk_key: str, chunk_key: str) -> list[str]:
+    """A top-k that is not smaller than the block (chunk x chunk coefficients) compresses
+    nothing: the codec would clamp it and send the whole block in the paper's 12 bytes per
+    coefficient, three times a dense fp32 gradient. A config asking for it is an error (the
+    codec itself clamps, for tensors smaller than the target block)."""
+    if topk >= chunk * chunk:
+        return [f"{topk_key}={topk} is not smaller than the {chunk} x {chunk} block ({chunk_key}={chunk}: "
+                f"{chunk * chunk} coefficients): it would send every coefficient; choose "
+                f"{topk_key} < {chunk * chunk}"]
+    return []
+
+
 def _to_16bit(index: torch.Tensor) -> torch.Tensor:
     """Indices in [0, 65536) -> uint8 (..., k, 2) holding (low byte, high byte)."""
     return torch.stack((index & 0xFF, index >> 8), dim=-1).to(torch.uint8)
@@ -85,6 +97,7 @@ class DCTTopK:
     """
 
     name = "dct_topk"
+    decodes_mean = True  # decode(W payloads): their mean (see Codec)
 
     def __init__(self, chunk: int = 64, topk: int = 32, wire: str = "paper"):
         if chunk < 1:

@@ -26,6 +26,7 @@ EXPONENTS = 7  # nonzero exponent codes 1..7
 @register_codec("e3m0")
 class E3M0:
     name = "e3m0"
+    decodes_mean = True  # decode(W payloads): their mean (see Codec)
     bits = 4
 
     def __repr__(self) -> str:

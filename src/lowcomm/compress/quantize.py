@@ -66,6 +66,7 @@ class Quantize:
     """
 
     name = "quantize"
+    decodes_mean = True  # decode(W payloads): their mean (see Codec)
 
     def __init__(self, bits: int = 2, method: str = "statistical", range_sigmas: float = 3.0):
         if bits not in BITS:

@@ -2,6 +2,8 @@
 
     description: what the sweep reproduces
     base: [experiment=paper_table1, model=olmo_1b]  # overrides for every job
+    methods: quickstart                             # optional: every registered method's runs of this
+                                                    # name (Strategy.quickstart, .table1_tiny), first
     points:                                         # explicit jobs (optional; default: one empty point)
       - [optimizer=adamw_ddp]                       # a point: a list of overrides
       - overrides: [optimizer=demo, optimizer.compression_chunk=64]
@@ -46,8 +48,9 @@ from lowcomm.config import ConfigError, RunConfig, repo_root, validate
 from lowcomm.config.compose import compose
 from lowcomm.hardware import FS_BANDWIDTH, H100_BF16_PEAK_FLOPS, TYPICAL_MFU
 from lowcomm.models import build_model, count_parameters
+from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
-SWEEP_KEYS = ("description", "base", "points", "grid", "tune", "seeds")
+SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds")
 TUNE_KEYS = ("key", "factors", "overrides")
 POINT_KEYS = ("overrides", "grid")
 
@@ -192,6 +195,18 @@ def _point_jobs(point: Any, where: str) -> list[list[str]]:
     return [_overrides(point, where)]
 
 
+def method_points(methods: Any, where: str) -> list[list[str]]:
+    """Every registered method's runs for a sweep (``methods: quickstart``: each strategy's
+    ``quickstart`` points), in the registry's order, as lists of overrides."""
+    if methods is None:
+        return []
+    if methods not in METHOD_SWEEPS:
+        raise ValueError(f"{where}: {methods!r} is not a sweep the methods declare; choose one of: "
+                         f"{', '.join(METHOD_SWEEPS)}")
+    return [[f"optimizer={name}", *point.overrides, f"label='{point.label}'"]
+            for name, strategy in STRATEGIES.items() for point in getattr(strategy, methods)]
+
+
 def load_sweep(name_or_path: str) -> Sweep:
     path = sweep_path(name_or_path)
     spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
@@ -201,9 +216,10 @@ def load_sweep(name_or_path: str) -> Sweep:
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: {', '.join(SWEEP_KEYS)}")
     base = _overrides(spec.get("base") or [], f"{path}: base")
-    points = spec.get("points") or [[]]
+    points = spec.get("points") or ([] if spec.get("methods") else [[]])
     if not isinstance(points, list):
         raise ValueError(f"{path}: points must be a list, got {points!r}")
+    points = method_points(spec.get("methods"), f"{path}: methods") + points
     shared = _grid_combinations(spec.get("grid"), f"{path}: grid")
     jobs = [
         base + point_job + combination

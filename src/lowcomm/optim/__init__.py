@@ -1,22 +1,16 @@
-"""Optimizers as ``torch.optim.Optimizer`` subclasses that communicate through a Communicator."""
+"""Optimizers as ``torch.optim.Optimizer`` subclasses that communicate through a Communicator,
+each with its arguments as one dataclass (:mod:`lowcomm.optim.args`).
 
-from lowcomm.optim.demo import DeMo, demo_payload_bytes
-from lowcomm.optim.desloc import DESLoc
-from lowcomm.optim.diloco import DiLoCo, all_gather_payloads
-from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes
-from lowcomm.optim.grouping import CombinedOptimizer, muon_adamw, split_muon_adamw
-from lowcomm.optim.powersgd import PowerSGDReducer
+Every module's ``__all__`` is exported here (``from lowcomm.optim import DeMo, DeMoArgs``), so
+a new algorithm is its own module and nothing else.
+"""
 
-__all__ = [
-    "CombinedOptimizer",
-    "DESLoc",
-    "DeMo",
-    "DiLoCo",
-    "FlexDeMo",
-    "PowerSGDReducer",
-    "all_gather_payloads",
-    "demo_payload_bytes",
-    "flexdemo_payload_bytes",
-    "muon_adamw",
-    "split_muon_adamw",
-]
+import importlib
+import pkgutil
+
+__all__: list[str] = []
+for _module_info in pkgutil.iter_modules(__path__):
+    _module = importlib.import_module(f"{__name__}.{_module_info.name}")
+    for _name in getattr(_module, "__all__", ()):
+        globals()[_name] = getattr(_module, _name)
+        __all__.append(_name)

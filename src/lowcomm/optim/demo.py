@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.profiler import record_function
@@ -45,7 +45,9 @@ from lowcomm.comm import Communicator
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout, block_transform, random_orthonormal_basis
 from lowcomm.compress.dct_topk import WIRES, DCTTopK
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.args import Args, one_of_error
+
+__all__ = ["DeMo", "DeMoArgs", "demo_payload_bytes"]
 
 PROJECTIONS = ("dct", "random", "identity")
 BASES = ("sign", "sgd", "muon")
@@ -105,28 +107,63 @@ class _InFlight:
 
 
 
-def demo_errors(
-    *, compression_decay: float, compression_topk: int, compression_chunk: int, weight_decay: float,
-    momentum_subtraction: float, projection: str, base: str, wire: str, bucket_numel: int | None = None,
-) -> list[str]:
-    """The argument rules of :class:`DeMo` (and FlexDeMo), one message per broken rule."""
-    errors = []
-    if not 0 <= compression_decay < 1:
-        errors.append(f"compression_decay must be in [0, 1), got {compression_decay}")
-    for name, value in (("compression_topk", compression_topk), ("compression_chunk", compression_chunk)):
-        if value < 1:
-            errors.append(f"{name} must be >= 1, got {value}")
-    if weight_decay < 0:
-        errors.append(f"weight_decay must be >= 0, got {weight_decay}")
-    if not 0 <= momentum_subtraction <= 1:
-        errors.append(f"momentum_subtraction must be in [0, 1], got {momentum_subtraction}")
-    for name, value, allowed in (("projection", projection, PROJECTIONS), ("base", base, BASES),
-                                 ("wire", wire, WIRES)):
-        if value not in allowed:
-            errors.append(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-    if bucket_numel is not None and bucket_numel < 1:
-        errors.append(f"bucket_numel={bucket_numel} must be None (the largest parameter's size) or >= 1")
-    return errors
+@dataclass(kw_only=True)
+class DeMoArgs(Args):
+    """DeMo's arguments (and FlexDeMo's); defaults in ``configs/optimizer/demo.yaml``.
+
+    lr: learning rate; also scales the gradient entering the momentum.
+    compression_decay: momentum decay beta, in [0, 1).
+    compression_topk: coefficients kept per block (clamped to the block's size).
+    compression_chunk: target block side (DeMo's chunk rule per dimension).
+    weight_decay: decoupled weight decay (multiplied by lr).
+    momentum_subtraction: alpha, the fraction of the sent components removed from the
+        momentum (the paper ablates [0, 1]; the reference uses 1).
+    projection: ``dct`` (block DCT-II), ``random`` (a random orthonormal block basis, drawn
+        from the step number so all workers share it, new every step) or ``identity`` (top-k
+        of the raw momentum, per block).
+    base: the transform of the aggregate before the update: ``sign`` (signum, the paper's),
+        ``sgd`` (none) or ``muon`` (Newton-Schulz orthogonalisation of the parameter's matrix).
+    wire: the payload format: ``paper``, ``compact`` or ``sign`` (see
+        :mod:`lowcomm.compress.dct_topk`). With a rounding format the momentum loses what
+        receivers decode, so rounding errors stay in it.
+    bucket_numel: the most parameter elements whose payloads share one all-gather per wire
+        dtype and one aggregation pass (None: the largest parameter's size, so the aggregate
+        reuses the per-parameter work space; a parameter larger than it is a bucket of its own).
+    """
+
+    config_name: ClassVar[str] = "demo"
+
+    lr: float
+    compression_decay: float
+    compression_topk: int
+    compression_chunk: int
+    weight_decay: float
+    momentum_subtraction: float
+    projection: str
+    base: str
+    wire: str
+    bucket_numel: int | None
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if not self.lr >= 0:
+            errors.append(f"lr must be >= 0, got {self.lr}")
+        if not 0 <= self.compression_decay < 1:
+            errors.append(f"compression_decay must be in [0, 1), got {self.compression_decay}")
+        for name in ("compression_topk", "compression_chunk"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            errors.append(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum_subtraction <= 1:
+            errors.append(f"momentum_subtraction must be in [0, 1], got {self.momentum_subtraction}")
+        errors += one_of_error("projection", self.projection, PROJECTIONS)
+        errors += one_of_error("base", self.base, BASES)
+        errors += one_of_error("wire", self.wire, WIRES)
+        if self.bucket_numel is not None and self.bucket_numel < 1:
+            errors.append(f"bucket_numel={self.bucket_numel} must be None (the largest parameter's size) or >= 1")
+        return errors
+
 
 class DeMo(torch.optim.Optimizer):
     """DeMo as a ``torch.optim.Optimizer``: drop it into any loop, with or without
@@ -136,69 +173,29 @@ class DeMo(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (``lr``, ``weight_decay``, ``compression_decay``
             and ``momentum_subtraction`` may differ per group).
-        lr: learning rate; also scales the gradient entering the momentum.
-        compression_decay: momentum decay beta, in [0, 1).
-        compression_topk: coefficients kept per block (clamped to the block's size).
-        compression_chunk: target block side (DeMo's chunk rule per dimension).
-        weight_decay: decoupled weight decay (multiplied by lr).
-        momentum_subtraction: alpha, the fraction of the sent components removed from the
-            momentum (the paper ablates [0, 1]; the reference uses 1).
-        projection: ``dct`` (block DCT-II), ``random`` (a random orthonormal block basis,
-            drawn from the step number so all workers share it, new every step) or
-            ``identity`` (top-k of the raw momentum, per block).
-        base: the transform of the aggregate before the update: ``sign`` (signum, the
-            paper's), ``sgd`` (none) or ``muon`` (Newton-Schulz orthogonalisation of the
-            parameter's matrix).
-        wire: the payload format: ``paper``, ``compact`` or ``sign`` (see
-            :mod:`lowcomm.compress.dct_topk`). With a rounding format the momentum loses
-            what receivers decode, so rounding errors stay in it.
+        args: :class:`DeMoArgs` (``DeMoArgs.defaults(...)``: the paper's settings).
         comm: the Communicator to send through (its meter counts every byte); None: the default
             process group when torch.distributed is initialised, else this one process (for a
             sub-group, pass ``Communicator(group)``).
-        bucket_numel: the most parameter elements whose payloads share one all-gather per
-            wire dtype and one aggregation pass (None: the largest parameter's size, so the
-            aggregate reuses the per-parameter work space; a parameter larger than it is a
-            bucket of its own).
     """
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        compression_decay: float = 0.999,
-        compression_topk: int = 32,
-        compression_chunk: int = 64,
-        weight_decay: float = 0.0,
-        momentum_subtraction: float = 1.0,
-        projection: str = "dct",
-        base: str = "sign",
-        wire: str = "paper",
-        comm: Communicator | None = None,
-        bucket_numel: int | None = None,
-    ):
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        raise_argument_errors(demo_errors(
-            compression_decay=compression_decay, compression_topk=compression_topk,
-            compression_chunk=compression_chunk, weight_decay=weight_decay,
-            momentum_subtraction=momentum_subtraction, projection=projection, base=base, wire=wire,
-            bucket_numel=bucket_numel,
-        ))
+    def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
+        self.args = args.check()
         defaults = {
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "compression_decay": compression_decay,
-            "momentum_subtraction": momentum_subtraction,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "compression_decay": args.compression_decay,
+            "momentum_subtraction": args.momentum_subtraction,
         }
         super().__init__(params, defaults)
-        self.codec = DCTTopK(chunk=compression_chunk, topk=compression_topk, wire=wire)
-        self.projection = projection
-        self.base = base
+        self.codec = DCTTopK(chunk=args.compression_chunk, topk=args.compression_topk, wire=args.wire)
+        self.projection = args.projection
+        self.base = args.base
         self.comm = comm if comm is not None else Communicator()
-        self.bucket_numel = bucket_numel
+        self.bucket_numel = args.bucket_numel
         # A fixed basis lets the momentum live in the coefficient domain (see the module doc);
         # the parameter-domain path stays for the random basis (and for tests to compare).
-        self._momentum_in_coefficients = projection != "random"
+        self._momentum_in_coefficients = args.projection != "random"
         # Three flat buffers per (device, dtype), as large as the largest parameter, reused by
         # every parameter and step: fresh multi-MB temporaries cost a page fault per page on CPU.
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

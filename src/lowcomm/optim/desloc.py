@@ -23,23 +23,46 @@ amortised, numel * bytes * (1/K_x + 1/K_u + 1/K_v) per step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.grouping import AdamArgs
+
+__all__ = ["DESLoc", "DESLocArgs"]
 
 
-def desloc_errors(*, clip: float | None, sync_x: int, sync_u: int | None, sync_v: int | None) -> list[str]:
-    """The argument rules of :class:`DESLoc` (``sync_u`` / ``sync_v`` None: 3 and 6 x ``sync_x``)."""
-    errors = []
-    if clip is not None and not clip > 0:
-        errors.append(f"clip must be null or > 0, got {clip}")
-    for name, period in (("sync_x", sync_x), ("sync_u", sync_u), ("sync_v", sync_v)):
-        if period is not None and period < 1:
-            errors.append(f"{name} must be >= 1, got {period}")
-    return errors
+@dataclass(kw_only=True)
+class DESLocArgs(AdamArgs):
+    """DES-LOC's arguments: Adam(W)'s (``lr``, ``betas``, ``eps``, decoupled ``weight_decay``)
+    and its own; defaults in ``configs/optimizer/desloc.yaml``.
+
+    clip: rho, the per-coordinate gradient clip (None: no clipping).
+    sync_x: K_x, the parameter averaging period.
+    sync_u, sync_v: K_u, K_v for the first and second moments (None: 3 K_x and 6 K_x, the
+        paper's recommendation from the moments' half-lives).
+    bias_correction: divide m, v by (1 - beta^t) as Adam does; the paper's update has none.
+    """
+
+    config_name: ClassVar[str] = "desloc"
+
+    clip: float | None
+    sync_x: int
+    sync_u: int | None
+    sync_v: int | None
+    bias_correction: bool
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.clip is not None and not self.clip > 0:
+            errors.append(f"clip must be null or > 0, got {self.clip}")
+        for name in ("sync_x", "sync_u", "sync_v"):
+            period = getattr(self, name)
+            if period is not None and period < 1:
+                errors.append(f"{name} must be >= 1, got {period}")
+        return errors
 
 
 class DESLoc(torch.optim.Optimizer):
@@ -48,12 +71,7 @@ class DESLoc(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (groups may override ``lr``, ``betas``, ``eps``,
             ``weight_decay``); every worker must start from identical values.
-        lr, betas, eps, weight_decay: Adam(W) hyperparameters (decoupled weight decay).
-        clip: rho, the per-coordinate gradient clip (None: no clipping).
-        sync_x: K_x, the parameter averaging period.
-        sync_u, sync_v: K_u, K_v for the first and second moments (default 3 K_x and 6 K_x,
-            the paper's recommendation from the moments' half-lives).
-        bias_correction: divide m, v by (1 - beta^t) as Adam does; the paper's update has none.
+        args: :class:`DESLocArgs`.
         comm: the workers' Communicator (None: the default process group, or one process).
 
     Parameters without a gradient at a step keep their values and moments but still take part
@@ -63,26 +81,17 @@ class DESLoc(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        clip: float | None = 1.0,
-        *,
-        sync_x: int,
-        sync_u: int | None = None,
-        sync_v: int | None = None,
-        weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        args: DESLocArgs,
         comm: Communicator | None = None,
     ):
-        raise_argument_errors(desloc_errors(clip=clip, sync_x=sync_x, sync_u=sync_u, sync_v=sync_v))
-        sync_u = 3 * sync_x if sync_u is None else sync_u
-        sync_v = 6 * sync_x if sync_v is None else sync_v
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.args = args.check()
+        defaults = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay)
         super().__init__(params, defaults)
-        self.clip = clip
-        self.sync_x, self.sync_u, self.sync_v = sync_x, sync_u, sync_v
-        self.bias_correction = bias_correction
+        self.clip = args.clip
+        self.sync_x = args.sync_x
+        self.sync_u = 3 * args.sync_x if args.sync_u is None else args.sync_u
+        self.sync_v = 6 * args.sync_x if args.sync_v is None else args.sync_v
+        self.bias_correction = args.bias_correction
         self.comm = comm if comm is not None else Communicator()
         self.steps_taken = 0
         # Eager state: every worker must hold (and average) the moments of every parameter

@@ -26,15 +26,19 @@ parameters), a ``compressor`` and an ``error_feedback`` beta.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Codec, Payload
 from lowcomm.compress.error_feedback import ErrorFeedback
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.args import Args
+
+__all__ = ["DiLoCo", "DiLoCoArgs", "OuterArgs", "all_gather_payloads"]
 
 InnerOptimizer = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -83,18 +87,46 @@ def outer_direction_(direction: torch.Tensor, momentum: torch.Tensor | None, bet
         direction.copy_(momentum)
 
 
-def diloco_errors(*, sync_every: int, outer_lr: float, outer_momentum: float, error_feedback: float | None) -> list[str]:
-    """The argument rules of :class:`DiLoCo` (and of MuLoCo, which is DiLoCo with Muon inside)."""
-    errors = []
-    if sync_every < 1:
-        errors.append(f"sync_every must be >= 1, got {sync_every}")
-    if not outer_lr > 0:
-        errors.append(f"outer_lr must be > 0, got {outer_lr}")
-    if not 0 <= outer_momentum < 1:
-        errors.append(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-    if error_feedback is not None and not 0 <= error_feedback <= 1:
-        errors.append(f"error_feedback must be null or in [0, 1], got {error_feedback}")
-    return errors
+@dataclass(kw_only=True)
+class OuterArgs(Args):
+    """The outer loop every DiLoCo variant shares (DiLoCo, MuLoCo, SparseLoCo).
+
+    sync_every: H, the number of inner steps between synchronisations.
+    outer_lr, outer_momentum: the outer SGD (the outer lr is not scheduled).
+    error_feedback: the accumulator decay beta (None: no accumulator; what the codec drops is
+        lost). Needs a compressor.
+    """
+
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    error_feedback: float | None
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.sync_every < 1:
+            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
+        if not self.outer_lr > 0:
+            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.error_feedback is not None and not 0 <= self.error_feedback <= 1:
+            errors.append(f"error_feedback must be null or in [0, 1], got {self.error_feedback}")
+        return errors
+
+    def outer_args(self) -> OuterArgs:
+        """Just the outer loop's fields."""
+        return OuterArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OuterArgs)})
+
+
+@dataclass(kw_only=True)
+class DiLoCoArgs(OuterArgs):
+    """DiLoCo's arguments (and MuLoCo's, which is DiLoCo with Muon inside); defaults in
+    ``configs/optimizer/diloco.yaml``. ``nesterov``: Nesterov outer momentum."""
+
+    config_name: ClassVar[str] = "diloco"
+
+    nesterov: bool
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -105,12 +137,9 @@ class DiLoCo(torch.optim.Optimizer):
         inner: the inner optimizer over exactly these parameters, or a callable building it
             from the parameter list. Its ``param_groups`` are this optimizer's, so an LR
             schedule drives the inner learning rate.
-        outer_lr, outer_momentum, nesterov: the outer SGD (the outer lr is not scheduled).
-        sync_every: H, the number of inner steps between synchronisations.
+        args: :class:`DiLoCoArgs` (the outer loop).
         compressor: a codec for the pseudo-gradient (None: dense all-reduce in the parameters'
             dtype).
-        error_feedback: the accumulator decay beta (None: no accumulator; what the codec
-            drops is lost). Needs a compressor.
         comm: the workers' Communicator (None: the default process group, or one process).
 
     Bytes on the wire: nothing between synchronisations; at each one, the parameters' size
@@ -122,23 +151,17 @@ class DiLoCo(torch.optim.Optimizer):
         self,
         params: Iterable[torch.nn.Parameter],
         inner: InnerOptimizer,
+        args: DiLoCoArgs,
         *,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        sync_every: int,
         compressor: Codec | None = None,
-        error_feedback: float | None = None,
         comm: Communicator | None = None,
     ):
         params = list(params)
-        raise_argument_errors(diloco_errors(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                            error_feedback=error_feedback))
-        if error_feedback is not None and compressor is None:
+        self.args = args.check()
+        if args.error_feedback is not None and compressor is None:
             raise ValueError("error_feedback needs a compressor: uncompressed averaging drops nothing")
-        defaults = dict(
-            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, sync_every=sync_every
-        )
+        defaults = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, nesterov=args.nesterov,
+                        sync_every=args.sync_every)
         super().__init__(params, defaults)
 
         self.inner = inner(params) if callable(inner) else inner
@@ -148,18 +171,18 @@ class DiLoCo(torch.optim.Optimizer):
         # The schedule and anything else reading param_groups (lr logging) see the inner groups.
         self.param_groups = self.inner.param_groups
 
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.nesterov = nesterov
-        self.sync_every = sync_every
+        self.outer_lr = args.outer_lr
+        self.outer_momentum = args.outer_momentum
+        self.nesterov = args.nesterov
+        self.sync_every = args.sync_every
         self.compressor = compressor
         self.comm = comm if comm is not None else Communicator()
-        self._feedback = ErrorFeedback(compressor, error_feedback) if error_feedback is not None else None
+        self._feedback = ErrorFeedback(compressor, args.error_feedback) if args.error_feedback is not None else None
 
         self._params = params
         with torch.no_grad():
             self._global = [p.detach().clone() for p in params]
-        self._momentum = [torch.zeros_like(p) for p in self._global] if outer_momentum > 0 else None
+        self._momentum = [torch.zeros_like(p) for p in self._global] if args.outer_momentum > 0 else None
         self._error = [torch.zeros_like(p) for p in self._global] if self._feedback is not None else None
         self.local_step = 0
 

@@ -36,7 +36,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from lowcomm.optim.demo import DeMo, demo_payload_bytes
+from lowcomm.comm import Communicator
+from lowcomm.optim.demo import DeMo, DeMoArgs, demo_payload_bytes
+
+__all__ = ["FlexDeMo", "flexdemo_payload_bytes"]
 
 
 def hybrid_groups(world_size: int, shard_group_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -109,11 +112,11 @@ class FlexDeMo(DeMo):
 
     Args:
         params: parameters or param groups, as for :class:`~lowcomm.optim.DeMo`.
+        args: :class:`~lowcomm.optim.demo.DeMoArgs`.
         comm: the Communicator of this rank's replication group (what DeMo all-gathers over).
-        Every other argument is :class:`~lowcomm.optim.DeMo`'s.
     """
 
-    def __init__(self, params, lr: float, **demo_options):
+    def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -129,7 +132,7 @@ class FlexDeMo(DeMo):
                     self._shards.append((param, shard))
                     local_params.append(shard)
             local_groups.append({**group, "params": local_params})
-        super().__init__(local_groups, lr=lr, **demo_options)
+        super().__init__(local_groups, args, comm)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -17,13 +17,16 @@ an LR schedule that multiplies each group's ``initial_lr`` drives both learning 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.args import Args, one_of_error
+
+__all__ = ["AdamArgs", "AdamWArgs", "CombinedOptimizer", "MuonArgs", "adamw", "muon_adamw", "split_muon_adamw", "weight_decay_groups"]
 
 # Module names (in OLMo's naming) whose weights are tables or the vocabulary head, not hidden maps.
 # `transformer.ff_out` is the top-level head; the blocks' `transformer.blocks.<i>.ff_out` are hidden.
@@ -147,57 +150,94 @@ class CombinedOptimizer(torch.optim.Optimizer):
             part.param_groups = live_groups
 
 
-def muon_errors(*, adamw_lr: float | None, muon_momentum: float, adjust_lr_fn: str, ns_steps: int) -> list[str]:
-    """The argument rules of Muon in :func:`muon_adamw` (``muon_momentum`` is its ``momentum``)."""
-    errors = []
-    if adamw_lr is not None and not adamw_lr > 0:
-        errors.append(f"adamw_lr must be null or > 0, got {adamw_lr}")
-    if not 0 <= muon_momentum < 1:
-        errors.append(f"muon_momentum must be in [0, 1), got {muon_momentum}")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        errors.append(f"adjust_lr_fn={adjust_lr_fn!r} is not allowed; choose one of: {', '.join(ADJUST_LR_FNS)}")
-    if not 1 <= ns_steps < 100:
-        errors.append(f"ns_steps must be in [1, 100), got {ns_steps}")
-    return errors
+@dataclass(kw_only=True)
+class AdamArgs(Args):
+    """Adam(W)'s hyperparameters (``torch.optim.AdamW``'s; DES-LOC's Adam too)."""
+
+    lr: float
+    weight_decay: float
+    betas: list[float]
+    eps: float
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            errors.append(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            errors.append(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:
+            errors.append(f"eps must be > 0, got {self.eps}")
+        return errors
 
 
-def muon_adamw(
-    model: torch.nn.Module,
-    params: Iterable[torch.nn.Parameter] | None = None,
-    *,
-    lr: float,
-    adamw_lr: float | None = None,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    adjust_lr_fn: str = "match_rms_adamw",
-    ns_steps: int = 5,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    decay_embeddings: bool = False,
-) -> CombinedOptimizer:
-    """Muon on ``model``'s hidden matrices and AdamW on the rest (see :func:`split_muon_adamw`).
+@dataclass(kw_only=True)
+class AdamWArgs(AdamArgs):
+    """AdamW over a model (:func:`adamw`): Adam's hyperparameters and whether weight decay
+    reaches the embedding (tied: also the output head; see :func:`weight_decay_groups`).
+    Defaults, OLMo's and the DeMo paper's baseline, in ``configs/optimizer/adamw_ddp.yaml``."""
 
-    Args:
-        model: the bare model (names are read from it).
-        params: restrict to these parameters of ``model`` (default: all trainable ones).
-        lr: Muon's learning rate, before ``adjust_lr_fn`` scales it per matrix; the weight decay
-            of the Muon group is applied as ``lr * weight_decay`` (unscaled), as in torch's Muon.
-        adamw_lr: AdamW's learning rate; None means ``lr`` (Moonlight's recipe: with
-            ``match_rms_adamw`` the two share one value).
-        momentum, nesterov, ns_steps: Muon's momentum (an EMA in torch's implementation; the
-            Newton-Schulz orthogonalisation makes the update scale-free) and its iterations.
-        adjust_lr_fn: ``match_rms_adamw`` (Moonlight: lr x 0.2 sqrt(max(A, B)), so the update
-            RMS matches AdamW's) or ``original`` (Keller Jordan: lr x sqrt(max(1, A / B))).
-        weight_decay, betas, eps: shared weight decay, AdamW's betas and eps.
-        decay_embeddings: whether AdamW's weight decay reaches the embeddings (see
-            :func:`weight_decay_groups`; Muon never holds them).
+    config_name: ClassVar[str] = "adamw_ddp"
+
+    decay_embeddings: bool
+
+
+def adamw(model: torch.nn.Module, args: AdamWArgs, params: Iterable[torch.nn.Parameter] | None = None,
+          ) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``params`` of ``model`` (default: every trainable parameter),
+    the embeddings in an undecayed group of their own unless ``args.decay_embeddings``."""
+    args.check()
+    groups = weight_decay_groups(model, params, weight_decay=args.weight_decay,
+                                 decay_embeddings=args.decay_embeddings)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+                             weight_decay=args.weight_decay)
+
+
+@dataclass(kw_only=True)
+class MuonArgs(AdamWArgs):
+    """Muon's arguments in :func:`muon_adamw`, beside AdamW's (defaults in
+    ``configs/optimizer/muon_ddp.yaml``). Prefixed so that they cannot clash with an outer
+    optimizer's (DiLoCo's ``nesterov``).
+
+    lr: Muon's learning rate, before ``adjust_lr_fn`` scales it per matrix; the weight decay
+        of the Muon group is applied as ``lr * weight_decay`` (unscaled), as in torch's Muon.
+    adamw_lr: AdamW's learning rate; None means ``lr`` (Moonlight's recipe: with
+        ``match_rms_adamw`` the two share one value).
+    muon_momentum, muon_nesterov, ns_steps: Muon's momentum (an EMA in torch's implementation;
+        the Newton-Schulz orthogonalisation makes the update scale-free) and its iterations.
+    adjust_lr_fn: ``match_rms_adamw`` (Moonlight: lr x 0.2 sqrt(max(A, B)), so the update RMS
+        matches AdamW's) or ``original`` (Keller Jordan: lr x sqrt(max(1, A / B))).
+    """
+
+    config_name: ClassVar[str] = "muon_ddp"
+
+    adamw_lr: float | None
+    muon_momentum: float
+    muon_nesterov: bool
+    adjust_lr_fn: str
+    ns_steps: int
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.adamw_lr is not None and not self.adamw_lr > 0:
+            errors.append(f"adamw_lr must be null or > 0, got {self.adamw_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            errors.append(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        errors += one_of_error("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
+        if not 1 <= self.ns_steps < 100:
+            errors.append(f"ns_steps must be in [1, 100), got {self.ns_steps}")
+        return errors
+
+
+def muon_adamw(model: torch.nn.Module, args: MuonArgs, params: Iterable[torch.nn.Parameter] | None = None,
+               ) -> CombinedOptimizer:
+    """Muon on ``model``'s hidden matrices and AdamW on the rest (see :func:`split_muon_adamw`),
+    restricted to ``params`` of ``model`` (default: all trainable ones); AdamW's weight decay
+    spares the embeddings unless ``args.decay_embeddings`` (Muon never holds them).
 
     Returns a :class:`CombinedOptimizer` with parts ``muon`` and ``adamw`` (a part with no
     parameters is left out).
     """
-    raise_argument_errors(muon_errors(adamw_lr=adamw_lr, muon_momentum=momentum, adjust_lr_fn=adjust_lr_fn,
-                                      ns_steps=ns_steps))
+    args.check()
     named = dict(model.named_parameters())
     split = split_muon_adamw(model)
     if params is None:
@@ -210,12 +250,10 @@ def muon_adamw(
     parts: dict[str, torch.optim.Optimizer] = {}
     if muon_params:
         parts["muon"] = torch.optim.Muon(
-            muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            muon_params, lr=args.lr, weight_decay=args.weight_decay, momentum=args.muon_momentum,
+            nesterov=args.muon_nesterov, ns_steps=args.ns_steps, adjust_lr_fn=args.adjust_lr_fn,
         )
     if adamw_params:
-        parts["adamw"] = torch.optim.AdamW(
-            weight_decay_groups(model, adamw_params, weight_decay=weight_decay, decay_embeddings=decay_embeddings),
-            lr=lr if adamw_lr is None else adamw_lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-        )
+        parts["adamw"] = adamw(model, dataclasses.replace(args, lr=args.lr if args.adamw_lr is None else args.adamw_lr),
+                               adamw_params)
     return CombinedOptimizer(parts)

@@ -36,29 +36,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.args import Args
+
+__all__ = ["PowerSGDArgs", "PowerSGDReducer"]
 
 
-def powersgd_errors(
-    *, matrix_approximation_rank: int, start_powerSGD_iter: int, min_compression_rate: float,
-    orthogonalization_epsilon: float, random_seed: int,
-) -> list[str]:
-    """The argument rules of :class:`PowerSGDReducer`, one message per broken rule (used by the
-    reducer and, prefixed with ``optimizer.``, by the ``powersgd`` config)."""
-    errors = []
-    if matrix_approximation_rank < 1:
-        errors.append(f"matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
-    for name, value in (("start_powerSGD_iter", start_powerSGD_iter), ("min_compression_rate", min_compression_rate),
-                        ("orthogonalization_epsilon", orthogonalization_epsilon), ("random_seed", random_seed)):
-        if value < 0:
-            errors.append(f"{name} must be >= 0, got {value}")
-    return errors
+@dataclass(kw_only=True)
+class PowerSGDArgs(Args):
+    """:class:`PowerSGDReducer`'s arguments, as in
+    ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``; defaults (the
+    DeMo paper's rank 32 and 1000 warm-up steps) in ``configs/optimizer/powersgd.yaml``."""
+
+    config_name: ClassVar[str] = "powersgd"
+
+    matrix_approximation_rank: int
+    start_powerSGD_iter: int
+    min_compression_rate: float
+    use_error_feedback: bool
+    warm_start: bool
+    orthogonalization_epsilon: float
+    random_seed: int
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.matrix_approximation_rank < 1:
+            errors.append(f"matrix_approximation_rank must be >= 1, got {self.matrix_approximation_rank}")
+        for name in ("start_powerSGD_iter", "min_compression_rate", "orthogonalization_epsilon", "random_seed"):
+            if getattr(self, name) < 0:
+                errors.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        return errors
 
 
 def matrix_dims(shape: Sequence[int]) -> tuple[int, int]:
@@ -117,9 +130,7 @@ class PowerSGDReducer:
         comm: the workers' Communicator; every collective goes through it.
         named_parameters: the model's ``(name, parameter)`` pairs, identical on every worker
             (names key the state; the order fixes each parameter's random start).
-        matrix_approximation_rank, start_powerSGD_iter, min_compression_rate,
-        use_error_feedback, warm_start, orthogonalization_epsilon, random_seed: as in
-            ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``.
+        args: :class:`PowerSGDArgs`.
 
     ``iteration`` counts the steps whose gradients were averaged (DDP advances it on the last
     bucket of a step); compression starts once it reaches ``start_powerSGD_iter``.
@@ -129,28 +140,17 @@ class PowerSGDReducer:
         self,
         comm: Communicator,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-        *,
-        matrix_approximation_rank: int = 32,
-        start_powerSGD_iter: int = 1000,
-        min_compression_rate: float = 2.0,
-        use_error_feedback: bool = True,
-        warm_start: bool = True,
-        orthogonalization_epsilon: float = 0.0,
-        random_seed: int = 0,
+        args: PowerSGDArgs,
     ):
-        raise_argument_errors(powersgd_errors(
-            matrix_approximation_rank=matrix_approximation_rank, start_powerSGD_iter=start_powerSGD_iter,
-            min_compression_rate=min_compression_rate, orthogonalization_epsilon=orthogonalization_epsilon,
-            random_seed=random_seed,
-        ))
+        self.args = args.check()
         self.comm = comm
-        self.matrix_approximation_rank = matrix_approximation_rank
-        self.start_iter = start_powerSGD_iter
-        self.min_compression_rate = min_compression_rate
-        self.use_error_feedback = use_error_feedback
-        self.warm_start = warm_start
-        self.epsilon = orthogonalization_epsilon
-        self.random_seed = random_seed
+        self.matrix_approximation_rank = args.matrix_approximation_rank
+        self.start_iter = args.start_powerSGD_iter
+        self.min_compression_rate = args.min_compression_rate
+        self.use_error_feedback = args.use_error_feedback
+        self.warm_start = args.warm_start
+        self.epsilon = args.orthogonalization_epsilon
+        self.random_seed = args.random_seed
         self._params = dict(named_parameters)
         self._index = {name: index for index, name in enumerate(self._params)}
         self._name_of = {id(param): name for name, param in self._params.items()}

@@ -21,81 +21,86 @@ over all R workers.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.chunked_topk import BINNINGS, MAX_PACKED_CHUNK, WIRES, ChunkedTopK
 from lowcomm.compress.quantize import BITS
-from lowcomm.optim.diloco import DiLoCo, InnerOptimizer, all_gather_payloads, diloco_errors
-from lowcomm.optim.rules import raise_argument_errors
+from lowcomm.optim.args import one_of_error
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, InnerOptimizer, OuterArgs, all_gather_payloads
+
+__all__ = ["SparseLoCo", "SparseLoCoArgs"]
 
 AGGREGATES = ("mean", "senders")
 
 
-def sparseloco_errors(
-    *, sync_every: int, outer_lr: float, outer_momentum: float, error_feedback: float | None, chunk: int,
-    topk: int, bits: int | None, wire: str, range_sigmas: float, aggregate: str, binning: str = "reference",
-) -> list[str]:
-    """The argument rules of :class:`SparseLoCo` (DiLoCo's plus the codec's)."""
-    errors = diloco_errors(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                           error_feedback=error_feedback)
-    if chunk < 1:
-        errors.append(f"chunk must be >= 1, got {chunk}")
-    elif not 1 <= topk <= chunk * chunk:
-        errors.append(f"topk must be in [1, chunk**2 = {chunk * chunk}], got {topk}")
-    if wire not in WIRES:
-        errors.append(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
-    elif wire == "packed" and chunk > MAX_PACKED_CHUNK:
-        errors.append(f"wire=packed sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, got {chunk}")
-    if bits is not None and bits not in BITS:
-        errors.append(f"bits must be null or one of {', '.join(map(str, BITS))}, got {bits}")
-    if not range_sigmas > 0:
-        errors.append(f"range_sigmas must be > 0, got {range_sigmas}")
-    if binning not in BINNINGS:
-        errors.append(f"binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
-    if aggregate not in AGGREGATES:
-        errors.append(f"aggregate must be one of {', '.join(AGGREGATES)}, got {aggregate!r}")
-    return errors
+@dataclass(kw_only=True)
+class SparseLoCoArgs(OuterArgs):
+    """SparseLoCo's arguments: DiLoCo's outer loop (its Nesterov momentum follows
+    ``outer_momentum > 0``) and the codec's; defaults in ``configs/optimizer/sparseloco.yaml``.
+
+    chunk, topk: kept entries per ``chunk x chunk`` block of the accumulator.
+    bits: values quantized to this many bits (None: the parameters' dtype).
+    wire, range_sigmas, binning: the codec's (:class:`~lowcomm.compress.chunked_topk.ChunkedTopK`).
+    aggregate: ``mean`` (the sum over workers / R) or ``senders`` (the mean over the workers
+        that sent each entry).
+    """
+
+    config_name: ClassVar[str] = "sparseloco"
+
+    chunk: int
+    topk: int
+    bits: int | None
+    wire: str
+    range_sigmas: float
+    binning: str
+    aggregate: str
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.chunk < 1:
+            errors.append(f"chunk must be >= 1, got {self.chunk}")
+        elif not 1 <= self.topk <= self.chunk * self.chunk:
+            errors.append(f"topk must be in [1, chunk**2 = {self.chunk * self.chunk}], got {self.topk}")
+        errors += one_of_error("wire", self.wire, WIRES)
+        if self.wire == "packed" and self.chunk > MAX_PACKED_CHUNK:
+            errors.append(f"wire=packed sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, "
+                          f"got {self.chunk}")
+        if self.bits is not None and self.bits not in BITS:
+            errors.append(f"bits must be null or one of {', '.join(map(str, BITS))}, got {self.bits}")
+        if not self.range_sigmas > 0:
+            errors.append(f"range_sigmas must be > 0, got {self.range_sigmas}")
+        errors += one_of_error("binning", self.binning, BINNINGS)
+        errors += one_of_error("aggregate", self.aggregate, AGGREGATES)
+        return errors
+
+    def codec(self) -> ChunkedTopK:
+        return ChunkedTopK(self.chunk, self.topk, self.bits, self.wire, self.range_sigmas, self.binning)
 
 
 class SparseLoCo(DiLoCo):
     """SparseLoCo around any inner optimizer (see the module doc for the update).
 
-    Args beyond :class:`DiLoCo`'s: ``chunk``, ``topk`` (kept entries per ``chunk x chunk``
-    block), ``bits`` (None: values in the parameters' dtype), ``wire``, ``range_sigmas`` and
-    ``binning`` of the codec; ``aggregate`` (``mean`` or ``senders``).
+    Args: the parameters, the inner optimizer (or a factory), :class:`SparseLoCoArgs` and the
+    workers' Communicator.
     """
 
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
         inner: InnerOptimizer,
+        args: SparseLoCoArgs,
         *,
-        sync_every: int = 15,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        error_feedback: float | None = 0.95,
-        chunk: int = 64,
-        topk: int = 64,
-        bits: int | None = 2,
-        wire: str = "packed",
-        range_sigmas: float = 3.0,
-        binning: str = "reference",
-        aggregate: str = "mean",
         comm: Communicator | None = None,
     ):
-        raise_argument_errors(sparseloco_errors(
-            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, error_feedback=error_feedback,
-            chunk=chunk, topk=topk, bits=bits, wire=wire, range_sigmas=range_sigmas, aggregate=aggregate,
-            binning=binning,
-        ))
-        super().__init__(
-            params, inner, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=outer_momentum > 0,
-            sync_every=sync_every, compressor=ChunkedTopK(chunk, topk, bits, wire, range_sigmas, binning),
-            error_feedback=error_feedback, comm=comm,
-        )
-        self.aggregate = aggregate
+        args.check()
+        outer = DiLoCoArgs(**vars(args.outer_args()), nesterov=args.outer_momentum > 0)
+        super().__init__(params, inner, outer, compressor=args.codec(), comm=comm)
+        self.args = args
+        self.aggregate = args.aggregate
 
     def _average_compressed(self) -> None:
         if self.aggregate == "mean":

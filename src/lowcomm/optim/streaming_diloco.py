@@ -27,37 +27,60 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Codec, Payload
+from lowcomm.optim.args import Args, raise_argument_errors
 from lowcomm.optim.diloco import InnerOptimizer, outer_direction_, payload_nbytes
-from lowcomm.optim.rules import raise_argument_errors
+
+__all__ = ["StreamingDiLoCo", "StreamingDiLoCoArgs"]
 
 
-def streaming_diloco_errors(
-    *, sync_every: int, num_fragments: int, overlap: int, mixing: float, outer_lr: float, outer_momentum: float,
-) -> list[str]:
-    """The argument rules of :class:`StreamingDiLoCo`."""
-    errors = []
-    if sync_every < 1:
-        errors.append(f"sync_every must be >= 1, got {sync_every}")
+@dataclass(kw_only=True)
+class StreamingDiLoCoArgs(Args):
+    """Streaming DiLoCo's arguments; defaults in ``configs/optimizer/streaming_diloco.yaml``.
+
+    sync_every: H, the period of every fragment's synchronisation.
+    overlap: tau, inner steps between a fragment's send and its receive (0: blocking).
+    mixing: alpha, the share of the local copy kept when the global fragment arrives.
+    outer_lr, outer_momentum, nesterov: the outer SGD.
+    """
+
+    config_name: ClassVar[str] = "streaming_diloco"
+
+    sync_every: int
+    overlap: int
+    mixing: float
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.sync_every < 1:
+            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.overlap < 0 or (self.sync_every >= 1 and self.overlap >= self.sync_every):
+            errors.append(f"overlap must be in [0, sync_every), got {self.overlap}")
+        if not 0 <= self.mixing <= 1:
+            errors.append(f"mixing must be in [0, 1], got {self.mixing}")
+        if not self.outer_lr > 0:
+            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        return errors
+
+
+def fragment_errors(num_fragments: int, sync_every: int) -> list[str]:
+    """The rule on the number of fragments: one staggered offset per fragment in H steps."""
     if num_fragments < 1:
-        errors.append(f"num_fragments must be >= 1, got {num_fragments}")
-    elif sync_every >= 1 and num_fragments > sync_every:
-        errors.append(f"num_fragments must be <= sync_every (one staggered offset per fragment), got "
-                      f"{num_fragments} > {sync_every}")
-    if overlap < 0 or (sync_every >= 1 and overlap >= sync_every):
-        errors.append(f"overlap must be in [0, sync_every), got {overlap}")
-    if not 0 <= mixing <= 1:
-        errors.append(f"mixing must be in [0, 1], got {mixing}")
-    if not outer_lr > 0:
-        errors.append(f"outer_lr must be > 0, got {outer_lr}")
-    if not 0 <= outer_momentum < 1:
-        errors.append(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-    return errors
+        return [f"num_fragments must be >= 1, got {num_fragments}"]
+    if sync_every >= 1 and num_fragments > sync_every:
+        return [f"num_fragments must be <= sync_every (one staggered offset per fragment), got "
+                f"{num_fragments} > {sync_every}"]
+    return []
 
 
 @dataclass
@@ -81,10 +104,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         fragments: the parameters grouped into fragments (lists of parameters, disjoint, in
             a fixed order); every worker must start from identical values.
         inner: the inner optimizer over exactly these parameters (or a factory).
-        sync_every: H, the period of every fragment's synchronisation.
-        overlap: tau, inner steps between a fragment's send and its receive (0: blocking).
-        mixing: alpha, the share of the local copy kept when the global fragment arrives.
-        outer_lr, outer_momentum, nesterov: the outer SGD.
+        args: :class:`StreamingDiLoCoArgs`.
         compressor: codec of the outer gradient (all-gather of payloads, mean in float32), or
             None for a dense all-reduce in the parameters' dtype.
         comm: the workers' Communicator.
@@ -94,40 +114,33 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self,
         fragments: Sequence[Sequence[torch.nn.Parameter]],
         inner: InnerOptimizer,
+        args: StreamingDiLoCoArgs,
         *,
-        sync_every: int = 100,
-        overlap: int = 1,
-        mixing: float = 0.5,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
         compressor: Codec | None = None,
         comm: Communicator | None = None,
     ):
         fragments = [list(fragment) for fragment in fragments]
-        raise_argument_errors(streaming_diloco_errors(
-            sync_every=sync_every, num_fragments=len(fragments), overlap=overlap, mixing=mixing, outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-        ))
+        self.args = args.check()
+        raise_argument_errors(fragment_errors(len(fragments), args.sync_every))
         params = [p for fragment in fragments for p in fragment]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("fragments must be disjoint")
-        super().__init__(params, dict(outer_lr=outer_lr, sync_every=sync_every))
+        super().__init__(params, dict(outer_lr=args.outer_lr, sync_every=args.sync_every))
         self.inner = inner(params) if callable(inner) else inner
         if {id(p) for g in self.inner.param_groups for p in g["params"]} != {id(p) for p in params}:
             raise ValueError("the inner optimizer must be built over exactly the parameters in the fragments")
         self.param_groups = self.inner.param_groups
 
-        self.sync_every, self.overlap, self.mixing = sync_every, overlap, mixing
-        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.sync_every, self.overlap, self.mixing = args.sync_every, args.overlap, args.mixing
+        self.outer_lr, self.outer_momentum, self.nesterov = args.outer_lr, args.outer_momentum, args.nesterov
         self.compressor = compressor
         self.comm = comm if comm is not None else Communicator()
         self.fragments = fragments
-        self.offsets = [p * sync_every // len(fragments) for p in range(len(fragments))]
+        self.offsets = [p * args.sync_every // len(fragments) for p in range(len(fragments))]
         with torch.no_grad():
             self._global = [[p.detach().clone() for p in fragment] for fragment in fragments]
         self._momentum = ([[torch.zeros_like(p) for p in fragment] for fragment in self._global]
-                          if outer_momentum > 0 else None)
+                          if args.outer_momentum > 0 else None)
         self._in_flight: list[_Exchange] = []
         self.local_step = 0
 

@@ -27,25 +27,17 @@ from lowcomm.config import repo_root, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.hardware import PAPER_GPUS_PER_NODE
 from lowcomm.models import ModelSpec, build_model
+from lowcomm.strategies import STRATEGIES
 
 MODELS = ("olmo_300m", "olmo_1b")
 PAPER_MODEL = {"olmo_300m": "300M", "olmo_1b": "1B"}
 
-# Every peer at the settings the quickstart and the paper's comparisons use.
-# (label, overrides, warm-up phase: the bytes before a strategy's compression starts)
+# Every peer's rows, as each strategy declares them (``comm_table``): (label, overrides, warm-up
+# phase: the bytes before a strategy's compression starts). DeMo's and AdamW-DDP's rows are the
+# paper's Table 1 (:func:`paper_rows`).
 PEER_ROWS: list[tuple[str, list[str], bool]] = [
-    ("Muon-DDP", ["optimizer=muon_ddp"], False),
-    ("PowerSGD r=32 (before warm-up)", ["optimizer=powersgd"], True),
-    ("PowerSGD r=32 (after warm-up)", ["optimizer=powersgd"], False),
-    ("DiLoCo H=10", ["optimizer=diloco", "optimizer.sync_every=10"], False),
-    ("DiLoCo H=10, 2-bit quantized", ["optimizer=diloco", "optimizer.sync_every=10", "compression=quantize"], False),
-    ("SparseLoCo H=15 k=64/4096 2-bit", ["optimizer=sparseloco"], False),
-    ("SparseLoCo H=15 8-bit (templar)", ["optimizer=sparseloco", "optimizer.bits=8"], False),
-    ("Streaming DiLoCo H=100 P=4 E3M0", ["optimizer=streaming_diloco"], False),
-    ("Streaming DiLoCo H=10 P=4 E3M0", ["optimizer=streaming_diloco", "optimizer.sync_every=10"], False),
-    ("DES-LOC Kx=10", ["optimizer=desloc", "optimizer.sync_x=10"], False),
-    ("MuLoCo H=30, 2-bit quantized", ["optimizer=muloco", "compression=quantize", "compression.bits=2"], False),
-    ("FlexDeMo |S|=8", ["optimizer=flexdemo", "optimizer.shard_group_size=8"], False),
+    (row.label, [f"optimizer={name}", *row.overrides], row.warmup)
+    for name, strategy in STRATEGIES.items() for row in strategy.comm_table
 ]
 GPUS_PER_NODE = PAPER_GPUS_PER_NODE
 BASELINE_LABEL = "AdamW-DDP"  # the row every crossover is against (bf16 gradients, the paper's)

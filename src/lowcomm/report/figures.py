@@ -24,11 +24,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from lowcomm.report.pareto import loss_mb_points, pareto_runs  # noqa: E402
 from lowcomm.report.runs import OPTIMIZER_NAMES, RunRecord, distinct_labels  # noqa: E402
 from lowcomm.report.wallclock import Timeline  # noqa: E402
+from lowcomm.strategies import STRATEGIES  # noqa: E402
 
-FAMILY_MARKERS = {"adamw_ddp": "o", "muon_ddp": "s", "powersgd": "P", "demo": "*", "flexdemo": "X",
-                  "diloco": "^", "muloco": "v", "desloc": "D", "sparseloco": "<", "streaming_diloco": ">"}
-# A fixed colour per family, so that DeMo is the same colour in every figure of a paper.
-FAMILY_COLORS = {family: f"C{index}" for index, family in enumerate(FAMILY_MARKERS)}
+# Each optimizer's marker and fixed colour (each strategy's ``display``), so that DeMo is the
+# same colour in every figure of a paper.
+FAMILY_MARKERS = {name: strategy.display.marker for name, strategy in STRATEGIES.items()}
+FAMILY_COLORS = {name: strategy.display.color for name, strategy in STRATEGIES.items()}
 FORMATS = ("png", "pdf")
 
 

@@ -15,13 +15,10 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from lowcomm.rundir import RunDir
+from lowcomm.strategies import STRATEGIES
 
-# How the papers and this repository's README name each optimizer config.
-OPTIMIZER_NAMES = {
-    "adamw_ddp": "AdamW-DDP", "muon_ddp": "Muon-DDP", "powersgd": "PowerSGD", "demo": "DeMo",
-    "flexdemo": "FlexDeMo", "diloco": "DiLoCo", "muloco": "MuLoCo", "desloc": "DES-LOC",
-    "sparseloco": "SparseLoCo", "streaming_diloco": "Streaming DiLoCo",
-}
+# How the papers name each optimizer config (each strategy's ``display``).
+OPTIMIZER_NAMES = {name: strategy.display.name for name, strategy in STRATEGIES.items()}
 
 
 @dataclass

@@ -1,18 +1,28 @@
 """Strategies: a named optimizer config -> (wrapped model, optimizer). Importing this package
-registers every strategy; ``STRATEGIES`` maps config names to classes."""
+imports every module in it, which registers its strategies (there is no list to edit);
+``STRATEGIES`` maps config names to classes, in the order of the names."""
 
-# Importing the modules registers the strategies, in this order.
-from lowcomm.strategies import (  # noqa: F401
-    ddp,
-    demo,
-    flexdemo,
-    local,
-    muloco,
-    muon_ddp,
-    powersgd,
-    sparseloco,
-    streaming_diloco,
+import importlib
+import pkgutil
+
+from lowcomm.strategies.base import (
+    METHOD_SWEEPS,
+    STRATEGIES,
+    Cycle,
+    Display,
+    Point,
+    Row,
+    Strategy,
+    StrategyConfig,
+    register,
 )
-from lowcomm.strategies.base import STRATEGIES, AdamWFields, OptimizerConfig, Strategy, register
 
-__all__ = ["STRATEGIES", "AdamWFields", "OptimizerConfig", "Strategy", "register"]
+for _module_info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module_info.name}")
+# by name, whatever order the modules (which import each other) registered in
+_registered = sorted(STRATEGIES.items())
+STRATEGIES.clear()
+STRATEGIES.update(_registered)
+
+__all__ = ["METHOD_SWEEPS", "STRATEGIES", "Cycle", "Display", "Point", "Row", "Strategy", "StrategyConfig",
+           "register"]

@@ -1,9 +1,27 @@
-"""The strategy seam: how a named optimizer config becomes (wrapped model, optimizer).
+"""The strategy seam: how a named optimizer config becomes (wrapped model, optimizer), and
+everything else the harness needs to know about a method, declared in one place.
 
-A strategy is a class registered under the optimizer config's ``name`` with a dataclass
-``Config`` that is the schema of ``configs/optimizer/<name>.yaml``. Adding an optimizer to the
-harness means one such class and one config file; the training loop only ever calls the
-methods below and never branches on a name.
+A method is four files: its algorithm (``optim/<name>.py``: the optimizer and its ``Args``
+dataclass with the argument rules), its strategy (``strategies/<name>.py``: one class
+registered under the config's ``name``, whose ``Config`` inherits the algorithm's ``Args`` and
+is handed whole to it), its config (``configs/optimizer/<name>.yaml``: the only place its
+defaults live) and its tests. Modules of this package are found and imported by
+``lowcomm.strategies`` itself: there is no list to edit. The tables, the figure palette, the
+comm table, the quickstart, the laptop Table 1 and the contract tests (resume, bytes, defaults)
+read the registry; the training loop only ever calls the methods below and never branches on a
+name.
+
+What a strategy declares, besides ``name`` and ``Config``:
+- ``display``: its name in tables and figures, its marker and its colour;
+- ``quickstart`` / ``table1_tiny``: its runs in ``make quickstart`` and the laptop Table 1
+  (sweep files name them with ``methods:``);
+- ``comm_table``: its rows in ``lowcomm-comm-table``;
+- ``mid_period``: overrides under which a 6-step run's step-3 checkpoint falls between two
+  synchronisations (the resume contract tests it there);
+- ``cycle``: overrides and a step count that cover its whole synchronisation cycle (the byte
+  contract compares the meter with the comm table over it);
+- ``accepts_codec``: which codecs of the ``compression`` group it can send with, by the codec's
+  properties.
 
 Contract with the loop:
 - ``build(model)`` returns the module to run forward/backward on and the optimizer whose
@@ -24,27 +42,91 @@ Contract with the loop:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.compress import Codec
+from lowcomm.optim.args import Args, as_config_errors
+from lowcomm.optim.diloco import DiLoCo
+from lowcomm.optim.grouping import adamw
 
 STRATEGIES: dict[str, type[Strategy]] = {}
+# The sweeps whose runs each strategy declares (a sweep file says ``methods: <one of these>``).
+METHOD_SWEEPS = ("quickstart", "table1_tiny")
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
+    """Register a strategy under its ``name`` (a class decorator), checking its declarations."""
     if cls.name in STRATEGIES:
         raise ValueError(f"strategy {cls.name!r} registered twice")
+    if cls.Config.config_name != cls.name:
+        raise TypeError(f"{cls.__name__}.Config.config_name is {cls.Config.config_name!r}; it must be the "
+                        f"strategy's name {cls.name!r} (configs/optimizer/{cls.name}.yaml holds its defaults)")
+    if not cls.quickstart:
+        raise TypeError(f"{cls.__name__} declares no quickstart run: every method is in make quickstart")
     STRATEGIES[cls.name] = cls
     return cls
 
 
-@dataclass
-class OptimizerConfig:
-    """Fields every optimizer config has. Subclasses add theirs.
+@dataclass(frozen=True)
+class Display:
+    """How tables and figures show a method: its name (the papers'), marker and colour (fixed,
+    so that a method has the same colour in every figure)."""
 
+    name: str
+    marker: str
+    color: str
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a sweep: its label in tables and figures and its overrides beyond
+    ``optimizer=<name>``."""
+
+    label: str
+    overrides: tuple[str, ...] = ()
+
+    def __init__(self, label: str, *overrides: str):
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "overrides", overrides)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the comm table: its label, its overrides beyond ``optimizer=<name>``, and
+    whether it counts the bytes before the method's compression starts (``warmup``)."""
+
+    label: str
+    overrides: tuple[str, ...] = ()
+    warmup: bool = False
+
+    def __init__(self, label: str, *overrides: str, warmup: bool = False):
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "overrides", overrides)
+        object.__setattr__(self, "warmup", warmup)
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """``steps`` steps under ``overrides`` cover a method's whole synchronisation cycle."""
+
+    steps: int = 1
+    overrides: tuple[str, ...] = ()
+
+    def __init__(self, steps: int = 1, *overrides: str):
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "overrides", overrides)
+
+
+@dataclass(kw_only=True)
+class StrategyConfig(Args):
+    """The fields every optimizer config has; a strategy's ``Config`` inherits this and its
+    algorithm's ``Args``, and its yaml sets every field.
+
+    ``lr``: the scheduled learning rate (the inner one, for a method with an outer loop).
     ``clip_global_norm``: whether the loop clips the gradient's global norm to
     ``train.max_grad_norm`` before the step. A per-strategy choice because not every method
     clips that way: DES-LOC's equations clip per coordinate instead (its default is false).
@@ -52,33 +134,19 @@ class OptimizerConfig:
     head). OLMo's default, which the DeMo paper follows, excludes it: false for every optimizer.
     """
 
-    lr: float = 4e-4
-    clip_global_norm: bool = True
-    decay_embeddings: bool = False
+    lr: float
+    clip_global_norm: bool
+    decay_embeddings: bool
 
-    def validate(self) -> list[str]:
-        return [] if self.lr > 0 else [f"optimizer.lr must be > 0, got {self.lr}"]
-
-
-@dataclass
-class AdamWFields(OptimizerConfig):
-    """The fields of an AdamW-style update (every-step baselines, inner optimizers, DES-LOC),
-    validated in one place. Defaults: OLMo's (and the DeMo paper's baseline)."""
-
-    lr: float = 4e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-
-    def validate(self) -> list[str]:
-        errors = super().validate()
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            errors.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
-            errors.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
-        if not self.eps > 0:
-            errors.append(f"optimizer.eps must be > 0, got {self.eps}")
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if not self.lr > 0:
+            errors.append(f"lr must be > 0, got {self.lr}")
         return errors
+
+    def validate(self) -> list[str]:
+        """The config's errors, each naming its ``optimizer.`` key (once)."""
+        return list(dict.fromkeys(as_config_errors(self.errors())))
 
 
 def parameter_bytes(model: torch.nn.Module, *, trainable: bool = True, names: set[str] | None = None) -> float:
@@ -90,26 +158,40 @@ def parameter_bytes(model: torch.nn.Module, *, trainable: bool = True, names: se
     ))
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class Strategy:
     name: ClassVar[str]
-    Config: ClassVar[type[OptimizerConfig]] = OptimizerConfig
-    # compression config names this strategy can send with (validated before launch)
-    accepts_compression: ClassVar[tuple[str, ...]] = ("none",)
+    Config: ClassVar[type[StrategyConfig]]
+    display: ClassVar[Display]
+    quickstart: ClassVar[tuple[Point, ...]] = ()
+    table1_tiny: ClassVar[tuple[Point, ...]] = ()
+    comm_table: ClassVar[tuple[Row, ...]] = ()
+    mid_period: ClassVar[tuple[str, ...]] = ()
+    cycle: ClassVar[Cycle] = Cycle()
     replicated_optimizer_state: ClassVar[bool] = True
     replicated_state_keys: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, cfg: OptimizerConfig, compression: dict[str, Any], comm: Communicator):
+    def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg
         self.compression = compression
         self.comm = comm
 
     @classmethod
-    def check_compression(cls, cfg: OptimizerConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
+    def accepts_codec(cls, codec: type[Codec]) -> bool:  # noqa: ARG003
+        """Can this strategy send through ``codec`` (a class of the ``compression`` group)?
+        By default no: the strategy sends what it sends (``compression=none``)."""
+        return False
+
+    @classmethod
+    def check_compression(cls, cfg: StrategyConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
         """Errors in how this optimizer's fields combine with the compression config."""
         return []
 
     @classmethod
-    def check_layout(cls, cfg: OptimizerConfig, world_size: int, local_world_size: int) -> list[str]:  # noqa: ARG003
+    def check_layout(cls, cfg: StrategyConfig, world_size: int, local_world_size: int) -> list[str]:  # noqa: ARG003
         """Errors in how this optimizer's fields fit the ranks it will run on (``world_size`` in
         all, ``local_world_size`` per node): checked before any process starts, so that nothing
         a worker would refuse at construction reaches a launch."""
@@ -135,7 +217,7 @@ class Strategy:
     @property
     def clips_global_norm(self) -> bool:
         """Does the loop clip this strategy's gradient norm (``optimizer.clip_global_norm``)?"""
-        return bool(getattr(self.cfg, "clip_global_norm", True))
+        return self.cfg.clip_global_norm
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         """Clip the gradients the optimizer will see (averaged under DDP, local otherwise)."""
@@ -172,7 +254,7 @@ class Strategy:
         return "all_reduce"
 
     @classmethod
-    def comm_overlap(cls, cfg: OptimizerConfig, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: StrategyConfig, parameters: int) -> float:  # noqa: ARG003
         """The share of a step's compute that this strategy's traffic can run behind, for a model
         of ``parameters`` parameters, in the wall-clock model (:mod:`lowcomm.report.wallclock`).
         0: every step waits for its bytes (DeMo's all-gathers follow the backward pass; DiLoCo's
@@ -182,3 +264,49 @@ class Strategy:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"strategy {self.name!r} got extra state it does not know: {sorted(state)}")
+
+
+class OuterLoopStrategy(Strategy):
+    """The DiLoCo family (DiLoCo, MuLoCo, SparseLoCo): no DDP wrapper, so the backward pass
+    sends nothing; workers train alone with an inner optimizer (AdamW here; override
+    :meth:`make_inner_optimizer`) and meet at the outer step, sending their pseudo-gradient
+    through :meth:`codec` (None: a dense all-reduce).
+
+    As with DDP (``init_sync=False``), every rank builds the model from the same seed or loads
+    the same checkpoint, so the workers start from identical parameters without a broadcast.
+    """
+
+    replicated_optimizer_state = False  # inner states and error-feedback accumulators are per worker
+    # identical on every worker after each synchronisation: written once, not W times
+    replicated_state_keys = ("global_params", "outer_momentum")
+
+    def codec(self) -> Codec | None:
+        raise NotImplementedError
+
+    def make_inner_optimizer(
+        self, model: torch.nn.Module, params: list[torch.nn.Parameter]
+    ) -> torch.optim.Optimizer:
+        """The inner optimizer over ``params`` (the trainable parameters of ``model``)."""
+        return adamw(model, self.cfg, params)
+
+    def inner_state_bytes(self, model: torch.nn.Module) -> float:
+        """The inner optimizer's state: AdamW's two moments."""
+        return 2 * parameter_bytes(model)
+
+    def wire_collective(self) -> str:
+        return "all_reduce" if self.codec() is None else "all_gather"
+
+    def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
+        """Replicated: the global parameters and the outer momentum. Per rank: the worker's own
+        parameters, the inner optimizer's state and the error-feedback accumulator."""
+        params = parameter_bytes(model)
+        replicated = params * (2 if self.cfg.outer_momentum > 0 else 1)
+        per_rank = (params + self.inner_state_bytes(model)
+                    + (params if self.cfg.error_feedback is not None else 0.0))
+        return replicated, per_rank
+
+    def analytic_payload_bytes(self, model: torch.nn.Module) -> float:
+        """Per worker and step, amortised over the H steps between synchronisations."""
+        params = trainable_parameters(model)
+        return DiLoCo.amortized_payload_bytes([p.shape for p in params], self.cfg.sync_every, self.codec(),
+                                              params[0].dtype)

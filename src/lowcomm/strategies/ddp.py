@@ -1,5 +1,6 @@
-"""Every-step data parallelism: PyTorch's DistributedDataParallel with its gradient buckets
-all-reduced through the Communicator, followed by a local optimizer step.
+"""Every-step data parallelism, the machinery the DDP methods share (AdamW-DDP, Muon-DDP,
+PowerSGD): PyTorch's DistributedDataParallel with its gradient buckets all-reduced through the
+Communicator, followed by a local optimizer step.
 
 DDP keeps its bucketing and its overlap of communication with the backward pass; the comm
 hook only replaces the transport, so every gradient byte is metered. DDP is built with
@@ -12,14 +13,12 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lowcomm.comm import Communicator
-from lowcomm.optim.grouping import weight_decay_groups
-from lowcomm.strategies.base import AdamWFields, Strategy, register
+from lowcomm.strategies.base import Strategy
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,7 +80,8 @@ class DDPStrategy(Strategy):
         return ddp, self.make_optimizer(ddp.module)
 
     def register_hook(self, ddp: DistributedDataParallel) -> None:
-        bf16 = getattr(self.cfg, "wire_dtype", "float32") == "bfloat16"
+        """The metered all-reduce, in the config's ``wire_dtype``."""
+        bf16 = self.cfg.wire_dtype == "bfloat16"
         ddp.register_comm_hook(self.comm, metered_bf16_allreduce_hook if bf16 else metered_allreduce_hook)
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -101,33 +101,8 @@ def dense_gradient_bytes(model: torch.nn.Module, wire_dtype: torch.dtype | None 
     )
 
 
-@dataclass
-class AdamWDDPConfig(AdamWFields):
-    # bfloat16 by default: the DeMo paper's AdamW rows (636.9 / 2416.6 MB) are about 2 bytes per
-    # parameter, so its compression ratios are against bf16 gradients; float32 stays a choice
-    wire_dtype: str = "bfloat16"
-
-    def validate(self) -> list[str]:
-        errors = super().validate()
-        if self.wire_dtype not in WIRE_DTYPES:
-            errors.append(f"optimizer.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        return errors
-
-
-@register
-class AdamWDDP(DDPStrategy):
-    """The paper's baseline: DDP all-reduce of bf16 gradients (``wire_dtype``), then AdamW
-    (OLMo's settings, embeddings not decayed)."""
-
-    name = "adamw_ddp"
-    Config = AdamWDDPConfig
-
-    def make_optimizer(self, model):
-        cfg = self.cfg
-        groups = weight_decay_groups(model, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
-
-    def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
-        """Per step and worker: every gradient element once, in the wire dtype."""
-        return dense_gradient_bytes(model, WIRE_DTYPES[self.cfg.wire_dtype])
+def wire_dtype_errors(wire_dtype: str) -> list[str]:
+    """The rule of a DDP config's ``wire_dtype``: the dtype its gradients travel in."""
+    if wire_dtype not in WIRE_DTYPES:
+        return [f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}"]
+    return []

@@ -2,12 +2,9 @@
 :class:`lowcomm.optim.DeMo`, which sends its compressed momentum through the Communicator.
 
 The optimizer config (``configs/optimizer/demo.yaml``) holds all of DeMo's settings, chunk,
-top-k and wire format included, so ``optimizer=demo`` alone is the paper's setup. The
-``compression`` group is optional: ``compression=dct_topk`` replaces ``compression_chunk``,
-``compression_topk`` and ``wire`` with its ``chunk``, ``topk`` and ``wire``, so sweeps can vary
-the codec through the same keys as for the other optimizers; ``compression=none`` (the
-default) keeps the optimizer config's values. DeMo always compresses: "none" does not mean
-dense gradients here.
+top-k and wire format included, so ``optimizer=demo`` alone is the paper's setup. DeMo's codec
+is set that one way: the ``compression`` group is for what an optimizer sends through a
+separate codec (DiLoCo's pseudo-gradient), and with DeMo it must stay ``none``.
 
 Momentum is per worker, so checkpoints keep one optimizer file per rank. As with DDP, every
 rank builds the model from the same seed (or loads the same checkpoint) and the workers stay
@@ -17,87 +14,59 @@ identical because they all apply the same aggregate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from lowcomm.optim.demo import DeMo, demo_errors, demo_payload_bytes
+from lowcomm.comm import Communicator
+from lowcomm.compress.dct_topk import topk_block_errors
+from lowcomm.optim.demo import DeMo, DeMoArgs, demo_payload_bytes
 from lowcomm.optim.grouping import weight_decay_groups
-from lowcomm.optim.rules import as_config_errors
-from lowcomm.strategies.base import OptimizerConfig, Strategy, parameter_bytes, register
+from lowcomm.strategies.base import (
+    Display,
+    Point,
+    Strategy,
+    StrategyConfig,
+    parameter_bytes,
+    register,
+    trainable_parameters,
+)
 
 
-@dataclass
-class DeMoConfig(OptimizerConfig):
-    """``configs/optimizer/demo.yaml``; the fields are :class:`~lowcomm.optim.DeMo`'s arguments."""
+@dataclass(kw_only=True)
+class DeMoConfig(StrategyConfig, DeMoArgs):
+    """``configs/optimizer/demo.yaml``; the fields are :class:`~lowcomm.optim.demo.DeMoArgs`."""
 
-    lr: float = 4e-4
-    compression_decay: float = 0.999
-    compression_topk: int = 32
-    compression_chunk: int = 64
-    weight_decay: float = 0.0
-    momentum_subtraction: float = 1.0
-    projection: str = "dct"
-    base: str = "sign"
-    wire: str = "paper"
-    bucket_numel: int | None = None
+    config_name: ClassVar[str] = "demo"
 
-    def validate(self) -> list[str]:
-        return super().validate() + as_config_errors(demo_errors(
-            compression_decay=self.compression_decay, compression_topk=self.compression_topk,
-            compression_chunk=self.compression_chunk, weight_decay=self.weight_decay,
-            momentum_subtraction=self.momentum_subtraction, projection=self.projection, base=self.base,
-            wire=self.wire, bucket_numel=self.bucket_numel,
-        ))
-
-
-def topk_block_errors(chunk: int, topk: int, topk_key: str, chunk_key: str) -> list[str]:
-    """A top-k that is not smaller than the block (chunk x chunk coefficients) compresses
-    nothing: the codec would clamp it and send the whole block in the paper's 12 bytes per
-    coefficient, three times a dense fp32 gradient. Such a config is an error, not a clamp."""
-    if topk >= chunk * chunk:
-        return [f"{topk_key}={topk} is not smaller than the {chunk} x {chunk} block ({chunk_key}={chunk}: "
-                f"{chunk * chunk} coefficients): it would send every coefficient; choose "
-                f"{topk_key} < {chunk * chunk}"]
-    return []
+    def errors(self) -> list[str]:
+        # The optimizer clamps k to a block's size (small tensors have small blocks); a config
+        # whose k does not compress the target block is a mistake, refused here.
+        return super().errors() + topk_block_errors(self.compression_chunk, self.compression_topk,
+                                                    "compression_topk", "compression_chunk")
 
 
 @register
 class DeMoStrategy(Strategy):
     name = "demo"
     Config = DeMoConfig
-    # DeMo's codec is set one way, by its own fields (compression_chunk, compression_topk, wire):
-    # the compression group is for what an optimizer sends through a separate codec (DiLoCo).
-    accepts_compression = ("none",)
+    display = Display("DeMo", marker="*", color="C3")
+    quickstart = (Point("DeMo k=32", "optimizer.lr=6e-3", "optimizer.compression_topk=32"),
+                  Point("DeMo k=4", "optimizer.lr=6e-3", "optimizer.compression_topk=4"))
+    table1_tiny = tuple(
+        Point(f"DeMo k={topk}", "optimizer.compression_chunk=64", f"optimizer.compression_topk={topk}",
+              "optimizer.lr=6e-3")
+        for topk in (32, 8, 1)
+    )
+    # its comm-table rows are the paper's Table 1 (results/paper/table1.csv)
     replicated_optimizer_state = False  # the momentum is each worker's own
 
-    @classmethod
-    def check_compression(cls, cfg: DeMoConfig, compression: dict) -> list[str]:  # noqa: ARG003
-        return topk_block_errors(cfg.compression_chunk, cfg.compression_topk, "optimizer.compression_topk",
-                                 "optimizer.compression_chunk")
-
-    def codec_settings(self) -> dict[str, int | str]:
-        """chunk, topk and wire of the DCT top-k codec, from the optimizer config."""
-        cfg = self.cfg
-        return {"chunk": cfg.compression_chunk, "topk": cfg.compression_topk, "wire": cfg.wire}
-
-    def make_optimizer(self, model: torch.nn.Module, comm, optimizer_class: type[DeMo] = DeMo) -> DeMo:
+    def make_optimizer(self, model: torch.nn.Module, comm: Communicator, optimizer_class: type[DeMo] = DeMo) -> DeMo:
         """DeMo (or a subclass, for FlexDeMo) over the model's trainable parameters, sending
-        through ``comm``, with this config's settings."""
-        cfg, codec = self.cfg, self.codec_settings()
-        return optimizer_class(
-            weight_decay_groups(model, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings),
-            lr=cfg.lr,
-            compression_decay=cfg.compression_decay,
-            compression_topk=codec["topk"],
-            compression_chunk=codec["chunk"],
-            weight_decay=cfg.weight_decay,
-            momentum_subtraction=cfg.momentum_subtraction,
-            projection=cfg.projection,
-            base=cfg.base,
-            wire=codec["wire"],
-            comm=comm,
-            bucket_numel=cfg.bucket_numel,
-        )
+        through ``comm``, with this config."""
+        groups = weight_decay_groups(model, weight_decay=self.cfg.weight_decay,
+                                     decay_embeddings=self.cfg.decay_embeddings)
+        return optimizer_class(groups, self.cfg, comm)
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DeMo]:
         return model, self.make_optimizer(model, self.comm)
@@ -111,5 +80,7 @@ class DeMoStrategy(Strategy):
 
     def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
         """Per step and worker: the DCT top-k payload of every trainable parameter."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        return demo_payload_bytes([p.shape for p in params], dtype=params[0].dtype, **self.codec_settings())
+        params = trainable_parameters(model)
+        cfg = self.cfg
+        return demo_payload_bytes([p.shape for p in params], chunk=cfg.compression_chunk, topk=cfg.compression_topk,
+                                  wire=cfg.wire, dtype=params[0].dtype)

@@ -32,7 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,15 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.meter import ring_all_gather_bytes, ring_reduce_scatter_bytes
 from lowcomm.distenv import local_layout
 from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, row_shard
-from lowcomm.strategies.base import parameter_bytes, register
+from lowcomm.strategies.base import (
+    Cycle,
+    Display,
+    Point,
+    Row,
+    parameter_bytes,
+    register,
+    trainable_parameters,
+)
 from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
 
 log = logging.getLogger("lowcomm.strategies.flexdemo")
@@ -59,19 +67,19 @@ def layout_error(shard_size: int, world_size: int) -> str:
             "(null takes the ranks per node)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlexDeMoConfig(DeMoConfig):
     """``configs/optimizer/flexdemo.yaml``: DeMo's fields and the sharding group size
     (null: the ranks per node, ``LOCAL_WORLD_SIZE``)."""
 
-    shard_group_size: int | None = None
+    config_name: ClassVar[str] = "flexdemo"
 
-    def validate(self) -> list[str]:
-        errors = super().validate()
+    shard_group_size: int | None
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
         if self.shard_group_size is not None and self.shard_group_size < 1:
-            errors.append(
-                f"optimizer.shard_group_size must be null (the ranks per node) or >= 1, got {self.shard_group_size}"
-            )
+            errors.append(f"shard_group_size must be null (the ranks per node) or >= 1, got {self.shard_group_size}")
         return errors
 
 
@@ -124,6 +132,11 @@ def _sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FlexDeMoStrategy(DeMoStrategy):
     name = "flexdemo"
     Config = FlexDeMoConfig
+    display = Display("FlexDeMo", marker="X", color="C4")
+    quickstart = (Point("FlexDeMo 2x2", "optimizer.lr=6e-3", "optimizer.shard_group_size=2"),)
+    table1_tiny = quickstart
+    comm_table = (Row("FlexDeMo |S|=8", "optimizer.shard_group_size=8"),)
+    cycle = Cycle(1, "optimizer.shard_group_size=2")
     replicated_optimizer_state = False  # each rank's momentum of its own shard
 
     def __init__(self, cfg: FlexDeMoConfig, compression: dict[str, Any], comm: Communicator):
@@ -300,10 +313,9 @@ class FlexDeMoStrategy(DeMoStrategy):
                 intra[0] += gathers * shard_bytes + shard_bytes * shard_size
                 intra[1] += gathers * tx + scatter_tx
                 intra[2] += gathers * rx + scatter_rx
-        params = [p for p in model.parameters() if p.requires_grad]
-        payload = flexdemo_payload_bytes(
-            [p.shape for p in params], shard_size, dtype=params[0].dtype, **self.codec_settings()
-        )
+        params, cfg = trainable_parameters(model), self.cfg
+        payload = flexdemo_payload_bytes([p.shape for p in params], shard_size, chunk=cfg.compression_chunk,
+                                         topk=cfg.compression_topk, wire=cfg.wire, dtype=params[0].dtype)
         # a ring all-gather over R: every rank forwards the others' payloads, (|R|-1) x each way
         tx, rx = (float((replicas - 1) * payload),) * 2 if replicas > 1 else (0.0, 0.0)
         return {"intra": tuple(intra), "inter": (payload, tx, rx)}

@@ -6,21 +6,20 @@ The algorithm (and why lowcomm has its own, metered, re-implementation of torch'
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lowcomm.optim.grouping import weight_decay_groups
+from lowcomm.optim.grouping import AdamWArgs, adamw
 from lowcomm.optim.powersgd import (
+    PowerSGDArgs,
     PowerSGDReducer,
     compression_rank,
     matrix_dims,
-    powersgd_errors,
     powersgd_payload_bytes,
 )
-from lowcomm.optim.rules import as_config_errors
-from lowcomm.strategies.base import AdamWFields, parameter_bytes, register
+from lowcomm.strategies.base import Cycle, Display, Point, Row, StrategyConfig, parameter_bytes, register
 from lowcomm.strategies.ddp import DDPStrategy, dense_gradient_bytes, metered_allreduce_hook
 
 
@@ -40,26 +39,13 @@ def powersgd_hook(
     return future
 
 
-@dataclass
-class PowerSGDConfig(AdamWFields):
+@dataclass(kw_only=True)
+class PowerSGDConfig(StrategyConfig, AdamWArgs, PowerSGDArgs):
     """``configs/optimizer/powersgd.yaml``: AdamW on the PowerSGD-averaged gradient; the other
     fields are ``PowerSGDState``'s (defaults: the DeMo paper's rank 32 and 1000 warm-up steps).
     P, Q and the uncompressed tensors travel in the gradients' dtype."""
 
-    matrix_approximation_rank: int = 32
-    start_powerSGD_iter: int = 1000
-    min_compression_rate: float = 2.0
-    use_error_feedback: bool = True
-    warm_start: bool = True
-    orthogonalization_epsilon: float = 0.0
-    random_seed: int = 0
-
-    def validate(self) -> list[str]:
-        return super().validate() + as_config_errors(powersgd_errors(
-            matrix_approximation_rank=self.matrix_approximation_rank, start_powerSGD_iter=self.start_powerSGD_iter,
-            min_compression_rate=self.min_compression_rate, orthogonalization_epsilon=self.orthogonalization_epsilon,
-            random_seed=self.random_seed,
-        ))
+    config_name: ClassVar[str] = "powersgd"
 
 
 @register
@@ -73,25 +59,22 @@ class PowerSGD(DDPStrategy):
 
     name = "powersgd"
     Config = PowerSGDConfig
+    display = Display("PowerSGD", marker="P", color="C2")
+    quickstart = (Point("PowerSGD r=8", "optimizer.lr=3e-3", "optimizer.matrix_approximation_rank=8",
+                        "optimizer.start_powerSGD_iter=20"),)
+    table1_tiny = quickstart
+    comm_table = (Row("PowerSGD r=32 (before warm-up)", warmup=True), Row("PowerSGD r=32 (after warm-up)"))
+    mid_period = ("optimizer.start_powerSGD_iter=2",)  # the checkpoint after compression starts
+    cycle = Cycle(1, "optimizer.start_powerSGD_iter=0")
 
     reducer: PowerSGDReducer
 
     def register_hook(self, ddp: DistributedDataParallel) -> None:
-        cfg = self.cfg
-        self.reducer = PowerSGDReducer(
-            self.comm, ddp.module.named_parameters(),
-            matrix_approximation_rank=cfg.matrix_approximation_rank, start_powerSGD_iter=cfg.start_powerSGD_iter,
-            min_compression_rate=cfg.min_compression_rate, use_error_feedback=cfg.use_error_feedback,
-            warm_start=cfg.warm_start, orthogonalization_epsilon=cfg.orthogonalization_epsilon,
-            random_seed=cfg.random_seed,
-        )
+        self.reducer = PowerSGDReducer(self.comm, ddp.module.named_parameters(), self.cfg)
         ddp.register_comm_hook(self.reducer, powersgd_hook)
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
-        cfg = self.cfg
-        groups = weight_decay_groups(model, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
+        return adamw(model, self.cfg)
 
     def extra_state(self) -> dict[str, Any]:
         return {"powersgd": self.reducer.state_dict()}

@@ -9,49 +9,57 @@ the optimizer state (with the in-flight means) is saved per rank.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from lowcomm.compress.registry import build_codec
-from lowcomm.optim.grouping import weight_decay_groups
-from lowcomm.optim.rules import as_config_errors
-from lowcomm.optim.streaming_diloco import StreamingDiLoCo, fragment_params, streaming_diloco_errors
-from lowcomm.strategies.base import AdamWFields, Strategy, register
+from lowcomm.optim.args import one_of_error
+from lowcomm.optim.grouping import AdamWArgs, adamw
+from lowcomm.optim.streaming_diloco import (
+    StreamingDiLoCo,
+    StreamingDiLoCoArgs,
+    fragment_errors,
+    fragment_params,
+)
+from lowcomm.strategies.base import Cycle, Display, Point, Row, Strategy, StrategyConfig, register
 
 PATTERNS = ("strided", "sequential")
 QUANTIZATIONS = ("e3m0", "none")
 
 
-@dataclass
-class StreamingDiLoCoConfig(AdamWFields):
-    """``configs/optimizer/streaming_diloco.yaml`` (its comments give the paper's settings)."""
+@dataclass(kw_only=True)
+class StreamingDiLoCoConfig(StrategyConfig, AdamWArgs, StreamingDiLoCoArgs):
+    """``configs/optimizer/streaming_diloco.yaml`` (its comments give the paper's settings):
+    the algorithm's arguments, and how the harness cuts the model into ``num_fragments``
+    fragments (``pattern``) and sends them (``quantization``)."""
 
-    sync_every: int = 100
-    num_fragments: int = 4
-    pattern: str = "strided"
-    overlap: int = 1
-    mixing: float = 0.5
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    quantization: str = "e3m0"
+    config_name: ClassVar[str] = "streaming_diloco"
 
-    def validate(self) -> list[str]:
-        errors = super().validate() + as_config_errors(streaming_diloco_errors(
-            sync_every=self.sync_every, num_fragments=self.num_fragments, overlap=self.overlap, mixing=self.mixing,
-            outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-        ))
-        for key, allowed in (("pattern", PATTERNS), ("quantization", QUANTIZATIONS)):
-            if getattr(self, key) not in allowed:
-                errors.append(f"optimizer.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
-        return errors
+    num_fragments: int
+    pattern: str
+    quantization: str
+
+    def errors(self) -> list[str]:
+        return (super().errors() + fragment_errors(self.num_fragments, self.sync_every)
+                + one_of_error("pattern", self.pattern, PATTERNS)
+                + one_of_error("quantization", self.quantization, QUANTIZATIONS))
 
 
 @register
 class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
     Config = StreamingDiLoCoConfig
+    display = Display("Streaming DiLoCo", marker=">", color="C9")
+    quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",
+                        "optimizer.num_fragments=2"),)
+    table1_tiny = quickstart
+    comm_table = (Row("Streaming DiLoCo H=100 P=4 E3M0"),
+                  Row("Streaming DiLoCo H=10 P=4 E3M0", "optimizer.sync_every=10"))
+    mid_period = ("optimizer.sync_every=4",)
+    cycle = Cycle(4, "optimizer.sync_every=4", "optimizer.num_fragments=2")
     replicated_optimizer_state = False  # inner states, and the local copies the mixing keeps, are per worker
 
     def codec(self):
@@ -62,15 +70,8 @@ class StreamingDiLoCoStrategy(Strategy):
         return fragment_params(named, self.cfg.num_fragments, self.cfg.pattern)
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, StreamingDiLoCo]:
-        cfg = self.cfg
-        optimizer = StreamingDiLoCo(
-            self.fragments(model),
-            lambda params: torch.optim.AdamW(
-                weight_decay_groups(model, params, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings),
-                lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay),
-            sync_every=cfg.sync_every, overlap=cfg.overlap, mixing=cfg.mixing, outer_lr=cfg.outer_lr,
-            outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov, compressor=self.codec(), comm=self.comm,
-        )
+        inner = functools.partial(adamw, model, self.cfg)
+        optimizer = StreamingDiLoCo(self.fragments(model), inner, self.cfg, compressor=self.codec(), comm=self.comm)
         return model, optimizer
 
     @classmethod
