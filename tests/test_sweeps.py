@@ -29,7 +29,8 @@ from lowcomm.cli import sweep as sweep_cli
 from lowcomm.cli.train import run_config
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.compose import compose
-from lowcomm.config.sweep import compute_estimate, load_sweep, plan_sweep
+from lowcomm.config.sweep import load_sweep, plan_sweep
+from lowcomm.launch.estimate import compute_estimate
 from lowcomm.launch.slurm import PreemptionFlag, Queue, QueuedJob, run_state
 from lowcomm.strategies import STRATEGIES
 from runs import SMALL_SYNTHETIC, TINY
