@@ -39,7 +39,7 @@ SWEEPS = repo_root() / "sweeps"
 # The paper-scale sweeps; the laptop ones (quickstart, table1_tiny) build on the quickstart's experiment.
 PAPER_SWEEPS = sorted(path.stem for path in SWEEPS.glob("*.yaml")
                       if "experiment=quickstart" not in load_sweep(path.stem).base)
-OLMO_1B_PARAMETERS = 1_176_764_416  # DESIGN.md
+OLMO_1B_PARAMETERS = 1_176_764_416  # configs/model/olmo_1b.yaml
 OLMO_300M_PARAMETERS = 319_946_752
 PAPER_TOKENS_PER_STEP = 2048 * 2048
 

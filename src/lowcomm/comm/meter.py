@@ -195,7 +195,7 @@ class CommMeter:
         return sorted({scope for (_p, scope, _c) in keys})
 
     def end_step(self) -> dict[str, float]:
-        """Close the current step; return its metrics with DESIGN.md's flat keys.
+        """Close the current step; return its metrics under metrics.jsonl's flat keys.
 
         ``comm/{payload,tx,rx}_bytes`` are this step's data bytes, ``comm/messages`` the sends
         they took (a ring collective is W-1 or 2(W-1) of them), ``comm/cum_payload_MB`` the
