@@ -1,4 +1,4 @@
-"""The Communicator's collectives are correct and metered with the formulas of DESIGN.md."""
+"""The Communicator's collectives are correct and metered with the formulas of lowcomm.comm.meter."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The block transforms and the DCT top-k codec, against dense re-derivations written out here:
-the DCT-II from its definition, block transforms as products with block-diagonal (Kronecker)
-matrices, top-k by sorting each block, and the mean over contributors by explicit counting."""
+"""The block transforms and the DCT top-k codec, against dense re-derivations written out in
+dct_reference: the DCT-II from its definition, block transforms as products with block-diagonal
+(Kronecker) matrices, top-k by sorting each block; and the mean over contributors by explicit
+counting, here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from dct_reference import F64, as_matrix, dct_definition, dense_dct, dense_topk
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import (
     BlockLayout,
@@ -20,67 +22,6 @@ from lowcomm.compress.dct import (
 )
 from lowcomm.compress.dct_topk import WIRES, DCTTopK
 from lowcomm.compress.registry import build_codec
-
-F64 = torch.float64
-
-
-# ----------------------------------------------------------------- re-derivations
-def dct_definition(size: int) -> torch.Tensor:
-    """DCT-II with orthonormal scaling, entry by entry from its definition."""
-    matrix = torch.empty(size, size, dtype=F64)
-    for k in range(size):
-        scale = math.sqrt((1.0 if k == 0 else 2.0) / size)
-        for i in range(size):
-            matrix[k, i] = scale * math.cos(math.pi * (2 * i + 1) * k / (2 * size))
-    return matrix
-
-
-def chunk_by_search(size: int, target: int) -> int:
-    return size if size <= target else max(d for d in range(1, target + 1) if size % d == 0)
-
-
-def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 1:
-        return tensor.reshape(1, -1)
-    return tensor.reshape(tensor.shape[0], -1)
-
-
-def block_diagonal(basis: torch.Tensor, blocks: int) -> torch.Tensor:
-    return torch.kron(torch.eye(blocks, dtype=basis.dtype), basis)
-
-
-def dense_dct(matrix: torch.Tensor, chunk: int, inverse: bool = False) -> torch.Tensor:
-    rows, cols = matrix.shape
-    c0, c1 = chunk_by_search(rows, chunk), chunk_by_search(cols, chunk)
-    left = block_diagonal(dct_definition(c0), rows // c0)
-    right = block_diagonal(dct_definition(c1), cols // c1)
-    return left.T @ matrix @ right if inverse else left @ matrix @ right.T
-
-
-def dense_topk(
-    coefficients: torch.Tensor, chunk: int, k: int, wire: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the receiver decodes (dense, zero where not sent) and the mask of sent entries."""
-    rows, cols = coefficients.shape
-    c0, c1 = chunk_by_search(rows, chunk), chunk_by_search(cols, chunk)
-    k = min(k, c0 * c1)
-    sent = torch.zeros_like(coefficients)
-    mask = torch.zeros_like(coefficients, dtype=torch.bool)
-    for a in range(rows // c0):
-        for b in range(cols // c1):
-            block = coefficients[a * c0 : (a + 1) * c0, b * c1 : (b + 1) * c1].reshape(-1)
-            order = torch.argsort(block.abs(), descending=True)[:k]
-            values = block[order]
-            if wire == "compact":
-                values = values.to(torch.bfloat16).to(F64)
-            elif wire == "sign":
-                scale = values.abs().mean().to(torch.bfloat16).to(F64)
-                values = torch.where(values < 0, -scale, scale)
-            for position, value in zip(order.tolist(), values, strict=True):
-                row, col = a * c0 + position // c1, b * c1 + position % c1
-                sent[row, col] = value
-                mask[row, col] = True
-    return sent, mask
 
 
 # ------------------------------------------------------------------- chunk rule

@@ -19,6 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dct_reference import as_matrix, chunk_by_search, dct_definition, dense_topk
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.dct import random_orthonormal_basis
@@ -27,7 +28,6 @@ from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.optim import DeMo, DeMoArgs, demo_payload_bytes
 from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
-from test_dct_codec import as_matrix, chunk_by_search, dct_definition, dense_topk
 
 F64 = torch.float64
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from dct_reference import chunk_by_search
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.launch.local import launch_local
@@ -30,7 +31,6 @@ from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.loop import next_token_loss
 from lowcomm.train.metrics import read_metrics
 from runs import tiny_run
-from test_dct_codec import chunk_by_search
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD, STEPS, MICRO_BATCHES, CHECKPOINT_AT = 4, 4, 2, 2

@@ -18,9 +18,9 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
-from lowcomm.config.sweep import checkpoint_estimate
 from lowcomm.data import materialize, open_data
 from lowcomm.distenv import DistEnv
+from lowcomm.launch.estimate import checkpoint_estimate
 from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
 from lowcomm.rundir import RunDir

@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md, as the imports have it.
+"""The layering of the README's "What is where" table, as the imports have it.
 
 `make lint` runs import-linter over the contract in pyproject.toml (which layer may import
 which). This file adds what import-linter cannot say: no module outside the entry points

@@ -38,8 +38,7 @@ from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs,
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCoConfig, StreamingDiLoCoStrategy
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
-from test_sparseloco import kill_resume_and_compare
+from runs import kill_resume_and_compare, tiny_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2

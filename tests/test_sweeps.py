@@ -29,7 +29,8 @@ from lowcomm.cli import sweep as sweep_cli
 from lowcomm.cli.train import run_config
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.compose import compose
-from lowcomm.config.sweep import compute_estimate, load_sweep, plan_sweep
+from lowcomm.config.sweep import load_sweep, plan_sweep
+from lowcomm.launch.estimate import compute_estimate
 from lowcomm.launch.slurm import PreemptionFlag, Queue, QueuedJob, run_state
 from lowcomm.strategies import STRATEGIES
 from runs import SMALL_SYNTHETIC, TINY
@@ -38,7 +39,7 @@ SWEEPS = repo_root() / "sweeps"
 # The paper-scale sweeps; the laptop ones (quickstart, table1_tiny) build on the quickstart's experiment.
 PAPER_SWEEPS = sorted(path.stem for path in SWEEPS.glob("*.yaml")
                       if "experiment=quickstart" not in load_sweep(path.stem).base)
-OLMO_1B_PARAMETERS = 1_176_764_416  # DESIGN.md
+OLMO_1B_PARAMETERS = 1_176_764_416  # configs/model/olmo_1b.yaml
 OLMO_300M_PARAMETERS = 319_946_752
 PAPER_TOKENS_PER_STEP = 2048 * 2048
 

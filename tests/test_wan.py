@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_wire import _need_iproute2, _unavailable
+from netns_helpers import need_iproute2, netns_unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WAN = REPO_ROOT / "benchmarks" / "wan.py"
@@ -23,15 +23,15 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(tmp_path):
     if os.geteuid() != 0:
-        _unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
-    _need_iproute2()
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     done = subprocess.run([sys.executable, str(WAN), "--workers", "2", "--steps", "4", "--links", "50M",
                            "--optimizers", "AdamW-DDP", "DeMo k=32", "--out", str(tmp_path),
                            "--work", str(tmp_path / "runs")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
-        _unavailable("tc's tbf qdisc is not available in this kernel")
+        netns_unavailable("tc's tbf qdisc is not available in this kernel")
     assert done.returncode == 0, done.stderr[-4000:]
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before, "the benchmark's namespace was not deleted"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.models import ModelSpec, build_model
+from netns_helpers import need_iproute2, netns_unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIRE_CHECK = REPO_ROOT / "benchmarks" / "wire_check.py"
@@ -47,34 +47,16 @@ PREDICTION_TOLERANCE = 0.05  # kernel vs tx x (1 + per byte) + messages x per me
 pytestmark = pytest.mark.slow
 
 
-def _need_iproute2() -> None:
-    """iproute2 on a fresh CI box: install it the way the SLURM fixture installs slurm."""
-    if shutil.which("ip"):
-        return
-    if shutil.which("apt-get"):
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "iproute2"], capture_output=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    if not shutil.which("ip"):
-        _unavailable("iproute2 (ip) is not installed and could not be installed with apt-get")
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("LOWCOMM_REQUIRE_NETNS") == "1":
-        pytest.fail(f"LOWCOMM_REQUIRE_NETNS=1 but network namespaces are unavailable: {reason}", pytrace=False)
-    pytest.skip(f"network namespaces unavailable: {reason}")
-
-
 @pytest.fixture(scope="module")
 def netns():
     """A private network namespace with its loopback up; deleted in teardown whatever happens."""
     if os.geteuid() != 0:
-        _unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
-    _need_iproute2()
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
     name = f"lowcomm-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if added.returncode != 0:
-        _unavailable(f"ip netns add failed: {added.stderr.strip()}")
+        netns_unavailable(f"ip netns add failed: {added.stderr.strip()}")
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True)
         yield name

@@ -41,7 +41,8 @@ from lowcomm.paths import repo_root
 
 if TYPE_CHECKING:
     from lowcomm.config import RunConfig
-    from lowcomm.config.sweep import CheckpointEstimate, Estimate, PlannedRun, Sweep
+    from lowcomm.config.sweep import PlannedRun, Sweep
+    from lowcomm.launch.estimate import CheckpointEstimate, Estimate
     from lowcomm.launch.slurm import Queue, RunState
 
 PROG = "lowcomm-sweep"
@@ -168,7 +169,8 @@ def _plan(sweep_name: str, overrides: Sequence[str], check_data_files: bool = Tr
 
 def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lowcomm.config import ConfigError
-    from lowcomm.config.sweep import compute_estimate, job_errors
+    from lowcomm.config.sweep import job_errors
+    from lowcomm.launch.estimate import compute_estimate
     from lowcomm.launch.slurm import Queue, SlurmUnavailable, check_profile, submit_training
 
     plan = _plan(args.sweep, args.overrides, check_data_files=not args.dry_run)
@@ -215,7 +217,7 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _dry_run(sweep: Sweep, planned: list[PlannedRun], estimates: list[Estimate], args: argparse.Namespace) -> int:
-    from lowcomm.config.sweep import checkpoint_estimate
+    from lowcomm.launch.estimate import checkpoint_estimate
     from lowcomm.launch.slurm import run_state
 
     queue, queue_problem = _read_queue()

@@ -106,11 +106,6 @@ def ring_reduce_scatter_bytes(payload: int, world_size: int) -> tuple[int, int]:
     return ring_reduce_scatter_traffic(payload, world_size)[:2]
 
 
-def chain_broadcast_bytes(nbytes: int, world_size: int, rank: int, src: int) -> tuple[int, int]:
-    """(tx, rx) of a pipelined chain broadcast: all but the tail forward, all but the source receive."""
-    return chain_broadcast_traffic(nbytes, world_size, rank, src)[:2]
-
-
 TRAFFIC = {
     "all_reduce": ring_all_reduce_traffic,
     "all_gather": ring_all_gather_traffic,
@@ -200,7 +195,7 @@ class CommMeter:
         return sorted({scope for (_p, scope, _c) in keys})
 
     def end_step(self) -> dict[str, float]:
-        """Close the current step; return its metrics with DESIGN.md's flat keys.
+        """Close the current step; return its metrics under metrics.jsonl's flat keys.
 
         ``comm/{payload,tx,rx}_bytes`` are this step's data bytes, ``comm/messages`` the sends
         they took (a ring collective is W-1 or 2(W-1) of them), ``comm/cum_payload_MB`` the

@@ -116,6 +116,11 @@ class DCTTopK:
         self.wire = wire
         self._layouts: dict[tuple[int, ...], BlockLayout] = {}
 
+    @staticmethod
+    def config_errors(chunk: int, topk: int, **_other_fields) -> list[str]:
+        """A config's ``topk`` must compress the target block (see :func:`topk_block_errors`)."""
+        return topk_block_errors(chunk, topk, "compression.topk", "compression.chunk")
+
     def __repr__(self) -> str:
         return f"DCTTopK(chunk={self.chunk}, topk={self.topk}, wire={self.wire!r})"
 

@@ -17,14 +17,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from lowcomm.config import (
-    SECTIONS,
-    TOP_LEVEL_KEYS,
-    ConfigError,
-    did_you_mean,
-    section_keys,
-    unknown_key_message,
-)
+from lowcomm.config.schema import SECTIONS, TOP_LEVEL_KEYS, ConfigError
+from lowcomm.config.suggest import did_you_mean, unknown_key_message
+from lowcomm.config.validation import section_keys
 from lowcomm.paths import config_dir, group_options
 
 

@@ -1,0 +1,97 @@
+"""SLURM profiles: the checks of a cluster profile's SLURM fields (:func:`cluster_errors`), and
+:func:`slurm_profile`, the checked profile of a cluster section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lowcomm.config.schema import ClusterSpec, ConfigError
+
+# submitit handles SIGTERM and SIGCONT itself (it ignores the TERM that precedes a preemption
+# kill); KILL and STOP cannot be caught at all.
+_UNUSABLE_SIGNALS = {"TERM", "CONT", "KILL", "STOP"}
+
+
+def _int_error(key: str, value: Any, minimum: int) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        return [f"cluster.{key} must be an integer >= {minimum}, got {value!r}"]
+    return []
+
+
+def cluster_errors(cluster: ClusterSpec) -> list[str]:
+    """Every problem of a SLURM profile's fields, each naming its key."""
+    errors: list[str] = []
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
+        errors += _int_error(key, getattr(cluster, key), minimum=1)
+    for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):
+        errors += _int_error(key, getattr(cluster, key), minimum=0)
+    if errors:
+        return errors  # the checks below compare these numbers
+    mem_gb = cluster.mem_gb
+    if mem_gb is not None and (isinstance(mem_gb, bool) or not isinstance(mem_gb, int | float) or mem_gb < 0):
+        errors.append(f"cluster.mem_gb must be a number >= 0 or null, got {mem_gb!r}")
+    for key in ("partition", "account", "qos"):
+        value = getattr(cluster, key)
+        if value is not None and (not isinstance(value, str) or not value):
+            errors.append(f"cluster.{key} must be a non-empty string or null, got {value!r}")
+    if cluster.gpus_per_node and cluster.tasks_per_node != cluster.gpus_per_node:
+        # every rank gets exactly one GPU (lowcomm.distenv.setup_distributed_from_slurm)
+        errors.append(
+            f"cluster.tasks_per_node ({cluster.tasks_per_node}) must equal cluster.gpus_per_node "
+            f"({cluster.gpus_per_node}): lowcomm runs one rank per GPU"
+        )
+    if cluster.signal_delay_s >= cluster.timeout_min * 60:
+        errors.append(
+            f"cluster.signal_delay_s ({cluster.signal_delay_s}) must be shorter than the time limit "
+            f"(cluster.timeout_min = {cluster.timeout_min} min)"
+        )
+    signal_name = cluster.signal.removeprefix("SIG") if isinstance(cluster.signal, str) else ""
+    if not hasattr(signal, f"SIG{signal_name}") or signal_name in _UNUSABLE_SIGNALS:
+        errors.append(f"cluster.signal must name a catchable signal such as USR2, got {cluster.signal!r}")
+    setup = cluster.setup
+    if not isinstance(setup, Sequence) or isinstance(setup, str) or not all(isinstance(x, str) for x in setup):
+        errors.append(f"cluster.setup must be a list of shell lines, got {setup!r}")
+    if not isinstance(cluster.additional_parameters, Mapping):
+        errors.append(
+            f"cluster.additional_parameters must map sbatch options to values, got {cluster.additional_parameters!r}"
+        )
+    elif "signal" in cluster.additional_parameters:
+        errors.append("set cluster.signal and cluster.signal_delay_s, not additional_parameters.signal")
+    return errors
+
+
+def normalised(cluster: ClusterSpec) -> ClusterSpec:
+    """A checked profile in canonical form: signal without ``SIG``, plain containers."""
+    return dataclasses.replace(
+        cluster, signal=cluster.signal.removeprefix("SIG"), setup=tuple(cluster.setup),
+        additional_parameters=dict(cluster.additional_parameters),
+    )
+
+
+def slurm_profile(cluster: ClusterSpec | Mapping[str, Any] | Any) -> ClusterSpec:
+    """The checked SLURM profile (a :class:`ClusterSpec` with ``launcher="slurm"``) of a cluster
+    section: a ClusterSpec, a mapping (dict, Hydra DictConfig) or an object with its attributes.
+    Missing fields take their defaults; raises :class:`ConfigError` naming every bad key."""
+    names = [f.name for f in dataclasses.fields(ClusterSpec)]
+    if isinstance(cluster, DictConfig):
+        cluster = OmegaConf.to_container(cluster, resolve=True)
+    if isinstance(cluster, Mapping):
+        unknown = sorted(set(cluster) - set(names))
+        if unknown:
+            raise ConfigError([f"cluster.{key} is not a cluster setting; allowed keys: {', '.join(names)}"
+                               for key in unknown])
+        values = dict(cluster)
+    else:
+        values = {name: getattr(cluster, name) for name in names if hasattr(cluster, name)}
+    values["launcher"] = "slurm"
+    spec = ClusterSpec(**values)
+    errors = cluster_errors(spec)
+    if errors:
+        raise ConfigError(errors)
+    return normalised(spec)

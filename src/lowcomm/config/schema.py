@@ -1,0 +1,149 @@
+"""The schemas of a composed config: one dataclass per section, the :class:`RunConfig` that
+:func:`lowcomm.config.validate` returns, the keys a config may hold, and :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowcomm.models.olmo import ModelSpec
+from lowcomm.strategies import STRATEGIES
+
+
+class ConfigError(ValueError):
+    """A config that must not reach a launch. ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+@dataclass
+class TrainSpec:
+    global_batch_size: int = 32  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    seq_len: int = 128  # tokens per instance (inputs are the first L-1, targets the last L-1)
+    max_steps: int = 300
+    # The lr warm-up: warmup_steps when given, else warmup_fraction x max_steps (rounded), so the
+    # default scales with the run. validate() resolves it: a validated TrainSpec holds the count.
+    warmup_steps: int | None = None
+    warmup_fraction: float = 0.1
+    alpha_f: float = 0.1  # cosine decays the lr to alpha_f x lr
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    eval_every: int = 50
+    eval_instances: int = 256
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class DataSpec:
+    name: str = "synthetic"
+    # synthetic
+    seed: int = 1234
+    n_topics: int = 8
+    concentration: float = 0.15
+    doc_length: list[int] = field(default_factory=lambda: [16, 192])
+    train_tokens: int = 4_000_000
+    val_tokens: int = 131_072
+    # memmap / text
+    paths: list[str] = field(default_factory=list)
+    val_paths: list[str] = field(default_factory=list)
+    dtype: str = "uint16"
+    val_fraction: float = 0.01  # text: share of documents held out for validation
+
+
+@dataclass
+class ClusterSpec:
+    """Where a run executes: the local launcher or a SLURM profile (``configs/cluster/*.yaml``).
+
+    The one schema of a cluster profile; :func:`lowcomm.config.cluster.cluster_errors` holds its
+    checks. For SLURM, ``tasks_per_node`` is the number of ranks per node (one per GPU when
+    there are GPUs).
+    ``mem_gb`` None asks for the partition's default memory and 0 for all of each node's memory
+    (``--mem=0``); ``partition``/``account``/``qos`` None mean "from $LOWCOMM_SLURM_PARTITION /
+    _ACCOUNT / _QOS, else the cluster's default". ``signal`` (``USR2``; ``SIG`` prefix optional)
+    is sent ``signal_delay_s`` seconds before a preemption or time-out kill. ``setup`` lines run
+    in the batch script before ``srun``; ``additional_parameters`` are extra ``#SBATCH`` options.
+    """
+
+    name: str = "local"
+    launcher: str = "local"  # local | slurm
+    workers: int = 4  # local launcher: processes on this machine
+    device: str = "auto"  # auto | cpu | cuda
+    threads_per_worker: int = 0  # 0: cores / workers
+    # SLURM (used when launcher == slurm)
+    nodes: int = 1
+    tasks_per_node: int = 1  # ranks per node: one per GPU
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: int | None = None  # None: the partition's default; 0: all of each node's memory (--mem=0)
+    timeout_min: int = 60
+    partition: str | None = None  # None: $LOWCOMM_SLURM_PARTITION, else the cluster's default
+    account: str | None = None  # None: $LOWCOMM_SLURM_ACCOUNT
+    qos: str | None = None  # None: $LOWCOMM_SLURM_QOS
+    signal: str = "USR2"  # sent signal_delay_s before a preemption / time-limit kill
+    signal_delay_s: int = 120
+    max_requeues: int = 3  # time-outs requeued at most this often (preemptions always are)
+    setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
+    additional_parameters: dict[str, Any] = field(default_factory=dict)  # extra #SBATCH options
+
+    @property
+    def world_size(self) -> int:
+        return self.workers if self.launcher == "local" else self.nodes * self.tasks_per_node
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per node: every local worker is on this machine; one task per GPU under SLURM."""
+        return self.workers if self.launcher == "local" else self.tasks_per_node
+
+
+@dataclass
+class WandbSpec:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "lowcomm"
+    entity: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec
+    optimizer: Any  # the strategy's Config dataclass
+    optimizer_name: str
+    compression: dict[str, Any]
+    data: DataSpec
+    train: TrainSpec
+    cluster: ClusterSpec
+    wandb: WandbSpec
+    experiment: str
+    run_root: str
+    run_name: str
+    seed: int
+    raw: dict[str, Any]  # the resolved config as plain containers, written to config.yaml
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.experiment / self.run_name
+
+    @property
+    def strategy_class(self):
+        return STRATEGIES[self.optimizer_name]
+
+    @property
+    def label(self) -> str:
+        """The config's ``label`` (a name for tables and plots), else the optimizer's name."""
+        return self.raw.get("label") or self.optimizer_name
+
+
+# The keys of a composed config: its sections (the config groups, plus train and wandb) and a
+# few scalars. Anything else (a typo such as `+optimzer=demo`) is an error, never silently kept.
+SECTIONS = ("model", "optimizer", "compression", "data", "train", "cluster", "wandb")
+TOP_LEVEL_KEYS = (*SECTIONS, "experiment", "experiment_name", "run_root", "run_name", "label", "seed")

@@ -1,0 +1,29 @@
+"""What the network-namespace tests (test_wire, test_wan) need before they start: root and
+iproute2. Where either is missing they skip, or fail under ``LOWCOMM_REQUIRE_NETNS=1`` (a CI
+box that must run them). A helper module, not a test itself."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def need_iproute2() -> None:
+    """iproute2 on a fresh CI box: install it the way the SLURM fixture installs slurm."""
+    if shutil.which("ip"):
+        return
+    if shutil.which("apt-get"):
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "iproute2"], capture_output=True, timeout=600,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if not shutil.which("ip"):
+        netns_unavailable("iproute2 (ip) is not installed and could not be installed with apt-get")
+
+
+def netns_unavailable(reason: str) -> None:
+    if os.environ.get("LOWCOMM_REQUIRE_NETNS") == "1":
+        pytest.fail(f"LOWCOMM_REQUIRE_NETNS=1 but network namespaces are unavailable: {reason}", pytrace=False)
+    pytest.skip(f"network namespaces unavailable: {reason}")
