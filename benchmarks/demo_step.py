@@ -71,12 +71,12 @@ def _setup(layers: int, embedding: bool, threads: int, device: str):
 def _optimizer(name: str, params):
     import torch
 
-    from lowcomm.optim import DeMo
+    from lowcomm.optim import DeMo, DeMoArgs
 
     if name.startswith("adamw"):
         flags = {"adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}.get(name, {})
         return torch.optim.AdamW(params, lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95), **flags)
-    optimizer = DeMo(params, lr=4e-4)
+    optimizer = DeMo(params, DeMoArgs.defaults())  # the paper's settings (configs/optimizer/demo.yaml)
     # internal switch, kept for tests and this comparison: three dense transforms per step
     optimizer._momentum_in_coefficients = name == "demo"
     return optimizer

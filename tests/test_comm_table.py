@@ -126,16 +126,6 @@ def test_powersgd_rows_before_and_after_its_warm_up(paper_table):
 
 # ------------------------------------------------- every strategy: the meter at run time
 TABLE_WORLD = 4
-# settings under which a few steps cover every strategy's whole sync cycle and compression
-CYCLE = {
-    "diloco": (["optimizer.sync_every=2"], 2),
-    "muloco": (["optimizer.sync_every=2", "compression=quantize"], 2),
-    "desloc": (["optimizer.sync_x=1", "optimizer.sync_u=1", "optimizer.sync_v=1"], 1),
-    "powersgd": (["optimizer.start_powerSGD_iter=0"], 1),
-    "flexdemo": (["optimizer.shard_group_size=2"], 1),
-    "sparseloco": (["optimizer.sync_every=2"], 2),
-    "streaming_diloco": (["optimizer.sync_every=4", "optimizer.num_fragments=2"], 4),
-}
 
 
 def _metered_steps(rank: int, world: int, name: str) -> dict:  # noqa: ARG001 - spawn_workers' signature
@@ -145,7 +135,10 @@ def _metered_steps(rank: int, world: int, name: str) -> dict:  # noqa: ARG001 - 
     from lowcomm.config import validate_optimizer
     from lowcomm.config.compose import compose
 
-    overrides, steps = CYCLE.get(name, ([], 1))
+    from lowcomm.strategies import STRATEGIES
+
+    cycle = STRATEGIES[name].cycle  # a few steps that cover its whole sync cycle and compression
+    overrides, steps = list(cycle.overrides), cycle.steps
     raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
     strategy_cls, cfg = validate_optimizer(raw)
     comm = Communicator()

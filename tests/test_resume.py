@@ -3,7 +3,7 @@ synchronisations continues bit for bit as if it had never stopped.
 
 Parametrised over the quickstart's optimizers, and the quickstart must cover every registered
 strategy, so a new optimizer cannot skip this test. Each run checkpoints at step 3 of 6, with
-sync periods chosen so that step 3 is mid-period (workers' parameters, moments and in-flight
+the sync periods each strategy declares (``Strategy.mid_period``) so that step 3 is mid-period (workers' parameters, moments and in-flight
 exchanges differ from rank 0's there); the final checkpoint is then removed, as if the run had
 been killed after step 3, and the rerun must reproduce every file of the final checkpoint
 (model, optimizer states of every rank, RNG, meter) and the same loss sequence.
@@ -24,15 +24,6 @@ from lowcomm.strategies import STRATEGIES
 from runs import point_id, quickstart_points, tiny_run
 
 POINTS = quickstart_points()
-# Periods that put the step-3 checkpoint between two synchronisations (or after compression starts).
-MID_PERIOD = {
-    "diloco": ["optimizer.sync_every=2"],
-    "muloco": ["optimizer.sync_every=2"],
-    "sparseloco": ["optimizer.sync_every=2"],
-    "streaming_diloco": ["optimizer.sync_every=4"],
-    "desloc": ["optimizer.sync_x=2"],
-    "powersgd": ["optimizer.start_powerSGD_iter=2"],
-}
 
 
 def test_the_quickstart_covers_every_registered_optimizer():
@@ -74,7 +65,7 @@ def _final_state(directory: Path) -> dict:
 def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point):
     overrides = POINTS[point]
     name = overrides[0].split("=", 1)[1]
-    run = tiny_run(tmp_path, "experiment=quickstart", *overrides, *MID_PERIOD.get(name, []), "wandb.mode=disabled",
+    run = tiny_run(tmp_path, "experiment=quickstart", *overrides, *STRATEGIES[name].mid_period, "wandb.mode=disabled",
                    "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2",
                    "train.log_every=1", "train.eval_every=3", "train.eval_instances=16", "train.checkpoint_every=3",
                    "train.keep_checkpoints=3", max_steps=6)
