@@ -134,7 +134,6 @@ def _metered_steps(rank: int, world: int, name: str) -> dict:  # noqa: ARG001 - 
     from lowcomm.comm import Communicator
     from lowcomm.config import validate_optimizer
     from lowcomm.config.compose import compose
-
     from lowcomm.strategies import STRATEGIES
 
     cycle = STRATEGIES[name].cycle  # a few steps that cover its whole sync cycle and compression

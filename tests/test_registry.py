@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
