@@ -180,7 +180,7 @@ class DeMo(torch.optim.Optimizer):
     """
 
     def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
-        self.args = args.check()
+        args.check()
         defaults = {
             "lr": args.lr,
             "weight_decay": args.weight_decay,

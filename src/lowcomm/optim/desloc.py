@@ -84,7 +84,7 @@ class DESLoc(torch.optim.Optimizer):
         args: DESLocArgs,
         comm: Communicator | None = None,
     ):
-        self.args = args.check()
+        args.check()
         defaults = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay)
         super().__init__(params, defaults)
         self.clip = args.clip

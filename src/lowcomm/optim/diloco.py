@@ -26,7 +26,6 @@ parameters), a ``compressor`` and an ``error_feedback`` beta.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -114,10 +113,6 @@ class OuterArgs(Args):
             errors.append(f"error_feedback must be null or in [0, 1], got {self.error_feedback}")
         return errors
 
-    def outer_args(self) -> OuterArgs:
-        """Just the outer loop's fields."""
-        return OuterArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OuterArgs)})
-
 
 @dataclass(kw_only=True)
 class DiLoCoArgs(OuterArgs):
@@ -157,7 +152,7 @@ class DiLoCo(torch.optim.Optimizer):
         comm: Communicator | None = None,
     ):
         params = list(params)
-        self.args = args.check()
+        args.check()
         if args.error_feedback is not None and compressor is None:
             raise ValueError("error_feedback needs a compressor: uncompressed averaging drops nothing")
         defaults = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, nesterov=args.nesterov,

@@ -142,7 +142,7 @@ class PowerSGDReducer:
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
         args: PowerSGDArgs,
     ):
-        self.args = args.check()
+        args.check()
         self.comm = comm
         self.matrix_approximation_rank = args.matrix_approximation_rank
         self.start_iter = args.start_powerSGD_iter

@@ -20,6 +20,7 @@ over all R workers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -97,9 +98,10 @@ class SparseLoCo(DiLoCo):
         comm: Communicator | None = None,
     ):
         args.check()
-        outer = DiLoCoArgs(**vars(args.outer_args()), nesterov=args.outer_momentum > 0)
+        # SparseLoCo's outer loop is DiLoCo's, with Nesterov momentum whenever it has momentum
+        outer = DiLoCoArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OuterArgs)},
+                           nesterov=args.outer_momentum > 0)
         super().__init__(params, inner, outer, compressor=args.codec(), comm=comm)
-        self.args = args
         self.aggregate = args.aggregate
 
     def _average_compressed(self) -> None:

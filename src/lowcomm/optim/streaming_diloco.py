@@ -120,7 +120,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         comm: Communicator | None = None,
     ):
         fragments = [list(fragment) for fragment in fragments]
-        self.args = args.check()
+        args.check()
         raise_argument_errors(fragment_errors(len(fragments), args.sync_every))
         params = [p for fragment in fragments for p in fragment]
         if len({id(p) for p in params}) != len(params):

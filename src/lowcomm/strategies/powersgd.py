@@ -19,7 +19,16 @@ from lowcomm.optim.powersgd import (
     matrix_dims,
     powersgd_payload_bytes,
 )
-from lowcomm.strategies.base import Cycle, Display, Point, Row, StrategyConfig, parameter_bytes, register
+from lowcomm.strategies.base import (
+    Cycle,
+    Display,
+    Point,
+    Row,
+    StrategyConfig,
+    parameter_bytes,
+    register,
+    trainable_parameters,
+)
 from lowcomm.strategies.ddp import DDPStrategy, dense_gradient_bytes, metered_allreduce_hook
 
 
@@ -94,7 +103,7 @@ class PowerSGD(DDPStrategy):
 
     def analytic_payload_bytes(self, model: torch.nn.Module) -> int:
         """Per worker and step once compression has started (after ``start_powerSGD_iter``)."""
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = trainable_parameters(model)
         return powersgd_payload_bytes(
             [p.shape for p in params], self.cfg.matrix_approximation_rank, self.cfg.min_compression_rate,
             params[0].dtype,
