@@ -15,11 +15,17 @@
       key: optimizer.lr
       factors: [0.5, 1, 2]                          # x the job's own value of the key
       overrides: [train.max_steps=200]              # the tuning runs' shorter budget
+      widen: 2                                      # optional (default 2, 0: off): factors of 2 tried
+                                                    # beyond an edge the best sits at
     seeds: [0, 1, 2]                                # optional: the final runs, one per seed
 
-With ``tune``, each job is first run at every factor of its value on the shorter budget, and
-then, at the value with the lowest final validation loss, once per seed (``seeds``, default
-[0]) on the full budget (:func:`tuning_jobs`, :func:`final_jobs`; ``lowcomm-sweep run``).
+With ``tune``, each job is first run at every factor of its value on the shorter budget. Where
+its best value (lowest final validation loss; a diverged run, nan or inf, is never chosen) is
+the smallest or the largest tried, the grid widens on that side one factor of 2 at a time
+(smallest / 2, then / 4; largest x 2, then x 4) until the best is inside, at most ``widen``
+values per side; a best still at the edge then is reported. The job then runs at its best
+value once per seed (``seeds``, default [0]) on the full budget (:func:`tuning_jobs`,
+:func:`tuning_step`, :func:`final_jobs`; ``lowcomm-sweep run``).
 
 Jobs = for each point, its overrides x its own grid x the sweep's grid, each a list of Hydra
 overrides (base first), in file order with the last grid key varying fastest. A grid value that
@@ -50,17 +56,21 @@ from lowcomm.paths import repo_root
 from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
 SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds")
-TUNE_KEYS = ("key", "factors", "overrides")
+TUNE_KEYS = ("key", "factors", "overrides", "widen")
 POINT_KEYS = ("overrides", "grid")
+WIDEN_FACTOR = 2.0  # each widening tries the edge value / 2 or x 2
+DEFAULT_WIDEN = 2  # widenings per side at most, unless the sweep's tune.widen says otherwise
 
 
 @dataclass(frozen=True)
 class Tune:
-    """Tune ``key`` of every job over ``factors`` x its value, with ``overrides`` (a shorter budget)."""
+    """Tune ``key`` of every job over ``factors`` x its value, with ``overrides`` (a shorter budget);
+    up to ``widen`` more values per side, a factor of 2 apart, where the best sits at an edge."""
 
     key: str
     factors: tuple[float, ...]
     overrides: tuple[str, ...] = ()
+    widen: int = DEFAULT_WIDEN
 
 
 @dataclass
@@ -92,17 +102,99 @@ def tuned_value(sweep: Sweep, point: int) -> float:
     return float(value)
 
 
+def _rounded(value: float) -> float:
+    """A tuned value as the runs are named: 6 significant digits (3e-3 x 0.5 is 0.0015, not
+    0.0015000000000000001), so a rerun finds the same run directories."""
+    return float(f"{value:.6g}")
+
+
+def tuning_job(sweep: Sweep, point: int, value: float) -> TuningJob:
+    """Job ``point`` at ``value`` of the tuned key, on the tuning budget, with the first seed."""
+    seed = (sweep.seeds or [None])[0]
+    return TuningJob(point, value, seed, [*sweep.jobs[point], *sweep.tune.overrides, _format(sweep.tune.key, value),
+                                          *([] if seed is None else [f"seed={seed}"])])
+
+
 def tuning_jobs(sweep: Sweep) -> list[TuningJob]:
     """Phase 1: every job at every factor of its tuned value, on the tuning budget, first seed."""
-    seed = (sweep.seeds or [None])[0]
     jobs = []
-    for point, job in enumerate(sweep.jobs):
+    for point in range(len(sweep.jobs)):
         base_value = tuned_value(sweep, point)
-        for factor in sweep.tune.factors:
-            value = float(f"{base_value * factor:.6g}")
-            jobs.append(TuningJob(point, value, seed, [*job, *sweep.tune.overrides, _format(sweep.tune.key, value),
-                                                      *([] if seed is None else [f"seed={seed}"])]))
+        jobs += [tuning_job(sweep, point, _rounded(base_value * factor)) for factor in sweep.tune.factors]
     return jobs
+
+
+class TuningDiverged(ValueError):
+    """Every tuning run of a job diverged: there is no value to choose."""
+
+
+def _finite(loss: float | None) -> bool:
+    return loss is not None and math.isfinite(loss)
+
+
+def best_value(losses: Mapping[float, float | None], job: str = "job") -> float:
+    """The value with the lowest final validation loss, the smaller value on a tie. A diverged run
+    (nan, inf or no loss) is never chosen, wherever it stands in ``losses``; raises
+    :class:`TuningDiverged` naming ``job`` when every run diverged."""
+    finite = {value: loss for value, loss in losses.items() if _finite(loss)}
+    if not finite:
+        tried = ", ".join(f"{value:.3g}: {loss}" for value, loss in sorted(losses.items()))
+        raise TuningDiverged(f"{job}: every tuning run diverged ({tried or 'no runs'}): there is no value to "
+                             "choose; try smaller values of the tuned key (tune.factors) or check the run")
+    return min(sorted(finite), key=finite.__getitem__)
+
+
+@dataclass(frozen=True)
+class TuningStep:
+    """One job's tuning so far (:func:`tuning_step`): the best value, and the value to try next
+    (None: the choice is final)."""
+
+    best: float
+    next: float | None = None
+    edge: str | None = None  # "lowest" / "highest": the best is that of the values tried; None: inside
+    widened: int = 0  # values tried beyond the first grid on the edge's side
+
+    @property
+    def at_edge(self) -> bool:
+        """The choice is final with the best still at an edge: the grid, widened as far as
+        allowed, does not bracket the optimum."""
+        return self.next is None and self.edge is not None
+
+    def edge_note(self, key: str, widen: int) -> str:
+        """What a final choice at an edge means, for the output and the summary (``key``'s last
+        part names the value: ``lr=0.00075``); "" when the best is inside."""
+        if not self.at_edge:
+            return ""
+        name = key.rsplit(".", 1)[-1]
+        where = "below" if self.edge == "lowest" else "above"
+        if widen == 0:
+            how = "at the edge of the grid, not widened (tune.widen: 0)"
+        else:
+            how = f"still at the edge after {self.widened} widening{'s' if self.widened != 1 else ''}"
+        return f"{how}: {name}={self.best:.3g}, the {self.edge} tried; the optimum may lie {where}"
+
+
+def tuning_step(losses: Mapping[float, float | None], grid: Sequence[float], widen: int = DEFAULT_WIDEN,
+                job: str = "job") -> TuningStep:
+    """What one job's tuning does next, given the final validation loss at every ``value`` tried
+    so far (``losses``), its first-round values (``grid``) and the widenings allowed per side.
+
+    The best value (:func:`best_value`: a diverged run is never chosen) inside the values tried
+    is final. At the smallest (largest) tried, the next value is one factor of 2 beyond it, until
+    ``widen`` values beyond the grid were tried on that side; then the choice is final and
+    :attr:`TuningStep.at_edge`. A diverged run beyond the best bounds that side: the grid never
+    widens past it, so never toward a diverged side. Raises :class:`TuningDiverged` when every
+    run diverged.
+    """
+    best = best_value(losses, job)
+    values = sorted(losses)
+    if best == values[0]:
+        edge, step, widened = "lowest", 1 / WIDEN_FACTOR, sum(value < min(grid) for value in values)
+    elif best == values[-1]:
+        edge, step, widened = "highest", WIDEN_FACTOR, sum(value > max(grid) for value in values)
+    else:
+        return TuningStep(best)
+    return TuningStep(best, _rounded(best * step) if widened < widen else None, edge, widened)
 
 
 def final_jobs(sweep: Sweep, chosen: Mapping[int, float] | None = None) -> list[TuningJob]:
@@ -121,13 +213,18 @@ def _tune(spec: Any, where: str) -> Tune | None:
     if spec is None:
         return None
     if not isinstance(spec, Mapping) or set(spec) - set(TUNE_KEYS) or "key" not in spec:
-        raise ValueError(f"{where}: tune is a mapping with key (required), factors and overrides, got {spec!r}")
+        raise ValueError(f"{where}: tune is a mapping with key (required), factors, overrides and widen, "
+                         f"got {spec!r}")
     factors = spec.get("factors")
     if (not isinstance(factors, list) or len(factors) < 2
             or not all(isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in factors)):
         raise ValueError(f"{where}.factors: give at least two positive numbers, got {factors!r}")
+    widen = spec.get("widen", DEFAULT_WIDEN)
+    if not isinstance(widen, int) or isinstance(widen, bool) or widen < 0:
+        raise ValueError(f"{where}.widen: give how many factors of 2 to try at most beyond an edge the best sits "
+                         f"at, a whole number, 0 for none, got {widen!r}")
     return Tune(str(spec["key"]), tuple(float(f) for f in factors),
-                tuple(_overrides(spec.get("overrides") or [], f"{where}.overrides")))
+                tuple(_overrides(spec.get("overrides") or [], f"{where}.overrides")), widen)
 
 
 def _seeds(spec: Any, where: str) -> list[int] | None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lowcomm.config.sweep import best_value
 from lowcomm.report.comm_table import config_traffic_function
 from lowcomm.report.runs import RunRecord
 
@@ -125,12 +127,13 @@ def budget_line(rows: list[dict]) -> str:
             f"{tokens / parameters:.1f} tokens per parameter.")
 
 
-def grid_table(results: dict[str, dict[float, float]]) -> str:
-    """Markdown: the tuning runs' final validation loss, one row per label, one column per value
-    (the chosen value in bold)."""
+def grid_table(results: dict[str, dict[float, float]], chosen: Mapping[str, float] | None = None) -> str:
+    """Markdown: the tuning runs' final validation loss, one row per label, one cell per value
+    tried, in order (the chosen value in bold: ``chosen``'s, else the lowest finite loss; a
+    diverged run, nan or inf, is never chosen)."""
     lines = ["| run | final val loss at each lr (tuning budget; bold: chosen) |", "|---|---|"]
     for label, by_value in results.items():
-        best = min(by_value, key=by_value.get)
+        best = chosen[label] if chosen is not None and label in chosen else best_value(by_value, label)
         cells = [f"**{value:.3g}: {loss:.4f}**" if value == best else f"{value:.3g}: {loss:.4f}"
                  for value, loss in sorted(by_value.items())]
         lines.append(f"| {label} | {', '.join(cells)} |")
