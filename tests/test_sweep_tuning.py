@@ -1,14 +1,17 @@
 """The tuning phase of two-phase sweeps: the choice of a value (never a diverged run) and the
 widening of the grid, one factor of 2 at a time, where the best sits at an edge, as the pure
-planning functions on made-up losses."""
+planning functions on made-up losses; then ``lowcomm-sweep run`` with a stand-in for training
+that writes each run's summary from a made-up loss landscape (no training, seconds)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 
 import pytest
 
+from lowcomm.cli import sweep as sweep_cli
 from lowcomm.config.sweep import (
     TuningDiverged,
     best_value,
@@ -17,7 +20,10 @@ from lowcomm.config.sweep import (
     tuning_jobs,
     tuning_step,
 )
+from lowcomm.launch import local
 from lowcomm.report.seeds import grid_table
+from lowcomm.rundir import RunDir
+from runs import micro_sweep_overrides
 
 GRID = [0.003, 0.006, 0.012]  # 0.5x, 1x, 2x of 6e-3
 
@@ -157,3 +163,75 @@ def test_widen_defaults_to_2_and_a_widened_run_is_named_like_the_grids(tmp_path)
     # the same overrides in the same order, so a widened run's directory sits beside the grid's
     assert tuning_job(sweep, 1, 0.003) == first[2]
     assert tuning_job(sweep, 0, 0.0015).overrides == [*first[0].overrides[:-2], "optimizer.lr=0.0015", "seed=0"]
+
+
+# ------------------------------------------------------------- lowcomm-sweep run, no training
+
+LANDSCAPES = {"AdamW-DDP": bowl(0.003),  # better one step down, worse two steps down
+              "DeMo k=4": lambda lr: 3.0 - lr}  # keeps improving upward: still at the edge
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``launch_local`` replaced by writing the run's config and a summary whose final val loss
+    is its label's landscape at its lr (a finished run is skipped, as the real one does)."""
+    launched = []
+
+    def launch(run, **_kwargs):
+        if RunDir(run.run_dir).summary.is_file():
+            return run.run_dir
+        launched.append((run.label, run.optimizer.lr, run.train.max_steps, run.raw["seed"]))
+        local.write_run_config(run)
+        RunDir(run.run_dir).summary.write_text(json.dumps({
+            "final_val_loss": LANDSCAPES[run.label](run.optimizer.lr), "bayes_floor": 2.0, "steps": run.train.max_steps,
+            "payload_MB_per_step": 0.3 if run.label == "AdamW-DDP" else 0.01, "parameters": 155_648, "tokens": 1024}))
+        return run.run_dir
+
+    monkeypatch.setattr(local, "launch_local", launch)
+    return launched
+
+
+def test_sweep_run_widens_reports_the_edge_and_reuses_the_runs(tmp_path, capsys, stand_in):
+    sweep = _sweep_file(tmp_path, "{key: optimizer.lr, factors: [1, 2], overrides: [train.max_steps=2]}")
+    out = tmp_path / "out"
+    argv = ["run", str(sweep), "--out", str(out), *micro_sweep_overrides(tmp_path / "runs")]
+
+    assert sweep_cli.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    tuning = [(label, lr) for label, lr, steps, _seed in stand_in if steps == 2]
+    assert tuning == [("AdamW-DDP", 0.006), ("AdamW-DDP", 0.012), ("DeMo k=4", 0.006), ("DeMo k=4", 0.012),
+                      ("AdamW-DDP", 0.003), ("DeMo k=4", 0.024), ("AdamW-DDP", 0.0015), ("DeMo k=4", 0.048)]
+    assert all(seed == 0 for _label, _lr, steps, seed in stand_in if steps == 2)
+    assert ("[widen] AdamW-DDP: the best lr, 0.006 (final val loss 4.0000), is the lowest tried: "
+            "trying lr=0.003 (widening 1 of at most 2 down)") in printed
+    assert "[widen] DeMo k=4: the best lr, 0.024" in printed and "trying lr=0.048 (widening 2 of at most 2 up)" in printed
+    assert "[tune] DeMo k=4: still at the edge after 2 widenings: lr=0.048, the highest tried" in printed
+    assert "AdamW-DDP: still" not in printed
+    final = sorted((label, lr, seed) for label, lr, steps, seed in stand_in if steps == 4)
+    assert final == [("AdamW-DDP", 0.003, 0), ("AdamW-DDP", 0.003, 1), ("DeMo k=4", 0.048, 0), ("DeMo k=4", 0.048, 1)]
+    summary = (out / "summary.md").read_text()
+    assert "Tuning (optimizer.lr over 1x, 2x, widened one factor of 2 at a time, at most 2 per side" in summary
+    assert "| AdamW-DDP | 0.0015: 4.0000, **0.003: 3.0000**, 0.006: 4.0000, 0.012: 7.0000 |" in summary
+    assert "| DeMo k=4 | 0.006: 2.9940, 0.012: 2.9880, 0.024: 2.9760, **0.048: 2.9520** |" in summary
+    assert ("DeMo k=4: still at the edge after 2 widenings: lr=0.048, the highest tried; the optimum may lie "
+            "above.") in summary
+
+    launched = len(stand_in)
+    assert sweep_cli.main(argv) == 0  # a rerun finds every run, widened ones included
+    assert len(stand_in) == launched
+    assert "[widen] 2 runs, 2 finished before" in capsys.readouterr().out
+
+
+def test_sweep_run_stops_naming_the_job_whose_every_run_diverged(tmp_path, capsys, stand_in, monkeypatch):
+    monkeypatch.setitem(LANDSCAPES, "DeMo k=4", lambda _lr: math.nan)
+    sweep = _sweep_file(tmp_path, "{key: optimizer.lr, factors: [1, 2], overrides: [train.max_steps=2]}")
+
+    code = sweep_cli.main(["run", str(sweep), "--out", str(tmp_path / "out"), *micro_sweep_overrides(tmp_path / "runs")])
+
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "job 2 (DeMo k=4): every tuning run diverged (0.006: nan, 0.012: nan)" in captured.err
+    assert "[tune] DeMo k=4: lr=0.006 diverged" in captured.out
+    assert all(steps == 2 for _label, _lr, steps, _seed in stand_in)  # no final run started
+    assert not (tmp_path / "out").exists()

@@ -30,6 +30,7 @@ def _group(label: str, excess: list[float], payload: float = 0.3, config: dict |
 def test_the_table1_tiny_sweep_tunes_every_point_then_runs_three_seeds():
     sweep = load_sweep("table1_tiny")
     assert sweep.tune.key == "optimizer.lr" and sweep.tune.factors == (0.5, 1.0, 2.0)
+    assert sweep.tune.widen == 2  # up to 0.125x and 8x where the best sits at an edge
     assert sweep.seeds == [0, 1, 2]
     tuning = tuning_jobs(sweep)
     assert len(tuning) == 3 * len(sweep.jobs)
@@ -108,7 +109,9 @@ def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, caps
         "points:\n"
         "  - [optimizer=adamw_ddp, optimizer.lr=6e-3, \"label='AdamW-DDP'\"]\n"
         "  - [optimizer=demo, optimizer.lr=6e-3, optimizer.compression_topk=4, \"label='DeMo k=4'\"]\n"
-        "tune: {key: optimizer.lr, factors: [0.5, 1], overrides: [train.max_steps=2]}\n"
+        # widen: 0 keeps this test at its 8 runs (a 2-value grid always has its best at an edge);
+        # widening is tested without training in test_sweep_tuning.py
+        "tune: {key: optimizer.lr, factors: [0.5, 1], overrides: [train.max_steps=2], widen: 0}\n"
         "seeds: [0, 1]\n")
     out = tmp_path / "out"
     overrides = micro_sweep_overrides(tmp_path / "runs")

@@ -2,7 +2,8 @@
 trained here (``run``).
 
     lowcomm-sweep list
-    lowcomm-sweep run table1_tiny                  # here, local workers: tune, seeds, the seed table
+    lowcomm-sweep run table1_tiny                  # here, local workers: tune (widening the grid where
+                                                   # the best sits at an edge), seeds, the seed table
     lowcomm-sweep submit table1_1b --dry-run data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
     lowcomm-sweep submit table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
     lowcomm-sweep status table1_1b data.paths='[/scratch/dolma/*.npy]' data.val_paths='[...]'
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from collections import Counter
@@ -349,14 +351,98 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
     return by_point
 
 
+@dataclasses.dataclass
+class _Tuned:
+    """The tuning phase's outcome: each point's chosen value, and per label the loss at every
+    value tried, the value chosen and, where the choice stayed at an edge, why it is doubtful."""
+
+    chosen: dict[int, float]
+    grid: dict[str, dict[float, float]]
+    best: dict[str, float]
+    notes: dict[str, str]
+
+
+def _tune_phase(parser: argparse.ArgumentParser, sweep: Sweep, overrides: list[str], started: float) -> _Tuned | None:
+    """Every job at each factor of its tuned key on the tuning budget; then, round by round, one
+    more value a factor of 2 beyond the edge for each job whose best sits at an edge of the values
+    tried (at most ``tune.widen`` per side, :func:`~lowcomm.config.sweep.tuning_step`). None after
+    a failed run or when every run of a job diverged (named on stderr)."""
+    from lowcomm.config.sweep import TuningDiverged, tuning_job, tuning_jobs, tuning_step
+    from lowcomm.report.runs import load_run
+
+    key, widen = sweep.tune.key, sweep.tune.widen
+    name = key.rsplit(".", 1)[-1]
+    losses: dict[int, dict[float, float]] = {}
+    labels: dict[int, str] = {}
+
+    def record(by_point: dict[int, list]) -> None:
+        for point, entries in by_point.items():
+            for job, run in entries:
+                labels[point] = run.label
+                loss = load_run(run.run_dir).final_val_loss
+                losses.setdefault(point, {})[job.value] = math.nan if loss is None else loss
+                if not math.isfinite(losses[point][job.value]):
+                    print(f"[tune] {run.label}: {name}={job.value:.3g} diverged (final val loss {loss}): "
+                          "never chosen, and the grid does not widen past it", flush=True)
+
+    tuned = _run_jobs(parser, sweep, tuning_jobs(sweep), "tune", overrides, started)
+    if tuned is None:
+        return None
+    record(tuned)
+    grids = {point: list(by_value) for point, by_value in losses.items()}
+    while True:
+        try:
+            steps = {point: tuning_step(by_value, grids[point], widen, job=f"job {point + 1} ({labels[point]})")
+                     for point, by_value in losses.items()}
+        except TuningDiverged as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return None
+        widening = {point: step for point, step in steps.items() if step.next is not None}
+        if not widening:
+            break
+        for point, step in widening.items():
+            print(f"[widen] {labels[point]}: the best {name}, {step.best:.3g} (final val loss "
+                  f"{losses[point][step.best]:.4f}), is the {step.edge} tried: trying {name}={step.next:.3g} "
+                  f"(widening {step.widened + 1} of at most {widen} {'down' if step.edge == 'lowest' else 'up'})",
+                  flush=True)
+        more = _run_jobs(parser, sweep, [tuning_job(sweep, point, step.next) for point, step in widening.items()],
+                         "widen", overrides, started)
+        if more is None:
+            return None
+        record(more)
+    notes = {labels[point]: step.edge_note(key, widen) for point, step in steps.items() if step.at_edge}
+    for label, note in notes.items():
+        print(f"[tune] {label}: {note}", flush=True)
+    return _Tuned(chosen={point: step.best for point, step in steps.items()},
+                  grid={labels[point]: by_value for point, by_value in losses.items()},
+                  best={labels[point]: step.best for point, step in steps.items()}, notes=notes)
+
+
+def _tuning_text(sweep: Sweep, tuned: _Tuned) -> str:
+    """The summary's tuning section: how the grid was searched, the grid, the doubtful choices."""
+    from lowcomm.report.seeds import grid_table
+
+    tune = sweep.tune
+    how = f"{tune.key} over {', '.join(f'{f:g}x' for f in tune.factors)}"
+    if tune.widen:
+        how += (f", widened one factor of 2 at a time, at most {tune.widen} per side, where the best sat at "
+                "an edge")
+    text = f"Tuning ({how}, {' '.join(tune.overrides)}):\n\n" + grid_table(tuned.grid, tuned.best)
+    if tuned.notes:
+        text += "\n\n" + "\n".join(f"{label}: {note}." for label, note in tuned.notes.items())
+    return text
+
+
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Train a sweep on this machine (local workers, no SLURM). A sweep with ``tune`` runs in two
-    phases: every job at each factor of its tuned key on the shorter budget, then each at its
-    best value (lowest final validation loss) once per seed; then the seed table is written."""
-    from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
+    phases: every job at each factor of its tuned key on the shorter budget, widened a factor of 2
+    at a time where the best sits at an edge (:func:`_tune_phase`), then each at its best value
+    (lowest final validation loss, never a diverged run) once per seed; then the seed table is
+    written."""
+    from lowcomm.config.sweep import final_jobs, load_sweep
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
-    from lowcomm.report.seeds import Group, grid_table, seed_rows, seed_table
+    from lowcomm.report.seeds import Group, seed_rows, seed_table
     from lowcomm.report.tables import write_csv
 
     try:
@@ -365,19 +451,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(exc))
     started = time.perf_counter()
     out = args.out or repo_root() / "results" / sweep.name
-    chosen, grid = None, {}
+    chosen, tuned = None, None
     if sweep.tune is not None:
         # The final runs differ from these only in the tuned value (a positive factor of a valid
         # one): a bad seed or budget is named now, not after the tuning phase's minutes.
         _plan_jobs(parser, sweep, final_jobs(sweep), args.overrides)
-        tuned = _run_jobs(parser, sweep, tuning_jobs(sweep), "tune", args.overrides, started)
+        tuned = _tune_phase(parser, sweep, args.overrides, started)
         if tuned is None:
             return 1
-        chosen = {}
-        for point, entries in tuned.items():
-            losses = {job.value: load_run(run.run_dir).final_val_loss for job, run in entries}
-            chosen[point] = min(losses, key=losses.get)
-            grid[entries[0][1].label] = losses
+        chosen = tuned.chosen
     final = _run_jobs(parser, sweep, final_jobs(sweep, chosen), "final", args.overrides, started)
     if final is None:
         return 1
@@ -385,9 +467,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     [load_run(run.run_dir) for _job, run in entries]) for _point, entries in sorted(final.items())]
     rows = seed_rows(groups, args.baseline)
     text = seed_table(rows)
-    if grid:
-        text += f"\n\nTuning ({sweep.tune.key} over {', '.join(f'{f:g}x' for f in sweep.tune.factors)}, "
-        text += f"{' '.join(sweep.tune.overrides)}):\n\n" + grid_table(grid)
+    if tuned is not None:
+        text += "\n\n" + _tuning_text(sweep, tuned)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text + "\n")
     write_csv(rows, out / "summary.csv")
@@ -437,9 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="train a sweep here (local workers): tune, then seeds, then the seed table",
         description="Train every job of a sweep on this machine. With the sweep's tune block, each job first "
-                    "runs at every factor of its tuned key on the shorter budget, then at the best value once per "
-                    "seed; the table (excess loss over the Bayes floor as mean ± std over seeds, bytes, a verdict "
-                    "against AdamW-DDP by a stated rule), the tuning grid and a figure with seed bands go to --out. "
+                    "runs at every factor of its tuned key on the shorter budget (where the best value is the "
+                    "smallest or largest tried, up to tune.widen more values a factor of 2 beyond it, default 2), "
+                    "then at the best value once per seed; the table (excess loss over the Bayes floor as mean ± "
+                    "std over seeds, bytes, a verdict against AdamW-DDP by a stated rule), the tuning grid and a "
+                    "figure with seed bands go to --out. "
                     "Finished runs are not trained again. Example: lowcomm-sweep run table1_tiny")
     run.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     run.add_argument("overrides", nargs="*", help="Hydra overrides added to every job, e.g. run_root=/scratch/runs")
