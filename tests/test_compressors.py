@@ -40,11 +40,12 @@ def test_pack_codes_layout_and_roundtrip():
 # ---------------------------------------------------------------------------- quantisation
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_statistical_error_within_one_bin_width(bits):
-    # Uniform data has max |x - mean| = sqrt(3) sigma < 3 sigma: no entry is clamped.
+    # Uniform data has max |x - mean| = sqrt(3) sigma: inside the outer bins' edges for 4 and 8
+    # bits; for 2 bits the top bin (above 0.75 sigma) spans less than one step of data.
     values = torch.rand(40, 25, generator=torch.Generator().manual_seed(bits)) * 4 - 1
     codec = Quantize(bits=bits, method="statistical")
     decoded = codec.decode([codec.encode(values)])
-    bin_width = 6 * values.std(correction=0) / 2**bits
+    bin_width = 6 * values.std(correction=1) / 2**bits
     assert decoded.shape == values.shape and decoded.dtype == values.dtype
     assert (decoded - values).abs().max() <= bin_width * (1 + 1e-5)
 
@@ -60,9 +61,9 @@ def test_statistical_decodes_to_per_bin_means(bits):
     assert payload.nbytes == codec.payload_nbytes(values.shape, values.dtype)
 
     flat = values.flatten().double()
-    mean, sigma = flat.mean(), flat.std(correction=0)
-    inner_edges = mean - 3 * sigma + 6 * sigma / 2**bits * torch.arange(1, 2**bits, dtype=torch.float64)
-    bins = torch.bucketize(flat, inner_edges, right=True)  # outliers fall into the two edge bins
+    mean, sigma = flat.mean(), flat.std(correction=1)
+    # bins centred on multiples of the step 6 sigma / 2**bits around the mean; outliers clamp to the edge bins
+    bins = ((flat - mean) / (6 * sigma / 2**bits) + 2 ** (bits - 1)).round().clamp(0, 2**bits - 1)
     expected = torch.empty_like(flat)
     for index in bins.unique():
         members = bins == index
@@ -92,6 +93,41 @@ def test_quantize_constant_tensor_is_exact(method):
     values = torch.full((5, 3), -1.25)
     codec = Quantize(bits=2, method=method)
     assert torch.equal(codec.decode([codec.encode(values)]), values)
+
+
+def _reference_statistical(val: torch.Tensor, n_bins: int, range_in_sigmas: float):
+    """The MuLoCo / SparseLoCo reference quantizer transcribed from its description
+    (facebookresearch/MuLoCo torchtitan/components/quantized_outer_sgd.py,
+    QuantizationCompressor._quantize and _dequantize): its names, its order of operations."""
+    offset = n_bins // 2
+    shift = val.mean()
+    centered_val = val - shift
+    std_unbiased = torch.sqrt(centered_val.var(unbiased=True))
+    scale = range_in_sigmas * std_unbiased / n_bins
+    quantized = torch.clamp(torch.round(centered_val / scale + offset), 0, n_bins - 1).to(torch.uint8)
+    bin_counts = torch.bincount(quantized.flatten().long(), minlength=n_bins).float()
+    bin_sums = torch.bincount(quantized.flatten().long(), weights=centered_val.flatten().float(), minlength=n_bins)
+    lookup = bin_sums / torch.clamp(bin_counts, min=1e-8)
+    return quantized, lookup[quantized.long()] + shift
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_statistical_is_bit_exact_with_the_reference_quantizer(bits):
+    """lowcomm's range_sigmas 3 is half the reference's quantization_range 6."""
+    values = _heavy_tailed((64, 48), seed=20 + bits).flatten()
+    codes, decoded = _reference_statistical(values, 2**bits, 6)
+    codec = Quantize(bits=bits, method="statistical")
+    payload = codec.encode(values)
+    assert torch.equal(unpack_codes(payload.tensors["codes"], bits, values.numel()), codes)
+    assert torch.equal(codec.decode([payload]), decoded)
+
+
+def test_two_bit_statistical_decodes_about_55_percent_of_gaussian_entries_to_the_mean():
+    """Step 1.5 sigma, the middle code covers |x - mean| < 0.75 sigma: P = erf(0.75 / sqrt 2) = 0.547."""
+    values = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0)) + 0.3
+    codes = unpack_codes(Quantize(bits=2).encode(values).tensors["codes"], 2, values.numel())
+    share = (codes == 2).float().mean().item()
+    assert abs(share - math.erf(0.75 / math.sqrt(2))) < 0.002, share
 
 
 def test_quantize_decode_of_many_is_the_mean():

@@ -21,14 +21,14 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.quantize import Quantize
 from lowcomm.compress.registry import build_codec
 from lowcomm.compress.topk import TopK
-from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, sync_traffic
 from lowcomm.strategies.diloco import DiLoCoConfig, DiLoCoStrategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
 STEPS = 8
 INNER = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
-OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_every=3, error_feedback=None)
+OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_every=3, error_feedback=None, exchange="all_gather")
 TWO_STEPS = DiLoCoArgs(**{**OUTER, "sync_every": 2})
 TOPK_FRACTION = 0.2
 EF_BETA = 0.9
@@ -38,6 +38,9 @@ RUNS = {
     "dense": ({}, {"name": "none"}),
     "topk_ef": ({"error_feedback": EF_BETA}, {"name": "topk", "fraction": TOPK_FRACTION}),
     "quantize": ({}, {"name": "quantize", "bits": 2, "method": "statistical"}),
+    # MuLoCo's exchange: the quantized all-reduce, error feedback on the worker's own quantization
+    "quantize_ef_reduce": ({"error_feedback": EF_BETA, "exchange": "all_reduce"},
+                           {"name": "quantize", "bits": 2, "method": "statistical"}),
 }
 
 
@@ -119,7 +122,29 @@ def _dense_topk(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
     return torch.where(tensor.abs() >= threshold, tensor, torch.zeros_like(tensor))
 
 
-def _simulate(topk_fraction: float | None = None, ef_beta: float | None = None) -> list[list[torch.Tensor]]:
+def _quantized_all_reduce(sources: list[torch.Tensor], codec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The quantized all-reduce written out for W workers' copies of one tensor: each cut by
+    rows into W chunks (torch.tensor_split: the first rows % W chunks one row longer), each
+    chunk quantized on its own, chunk j's W decodings averaged and quantized again. Returns the
+    decoded result and what each worker's quantization dropped."""
+    chunks = [torch.tensor_split(source, WORLD) for source in sources]
+    result, dropped = [], [[] for _ in sources]
+    for j in range(WORLD):
+        if chunks[0][j].numel() == 0:
+            result.append(chunks[0][j].clone())
+            for rank in range(len(sources)):
+                dropped[rank].append(chunks[rank][j].clone())
+            continue
+        decoded = [codec.decode([codec.encode(chunks[rank][j])]) for rank in range(len(sources))]
+        for rank in range(len(sources)):
+            dropped[rank].append(chunks[rank][j] - decoded[rank])
+        mean = sum(decoded[1:], decoded[0].clone()) / len(sources)
+        result.append(codec.decode([codec.encode(mean)]))
+    return torch.cat(result), [torch.cat(parts) for parts in dropped]
+
+
+def _simulate(topk_fraction: float | None = None, ef_beta: float | None = None,
+              reduce_codec=None) -> list[list[torch.Tensor]]:
     """history[step][rank]: every worker's flat parameters after each step."""
     models = [_model() for _ in range(WORLD)]
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in models]
@@ -137,8 +162,18 @@ def _simulate(topk_fraction: float | None = None, ef_beta: float | None = None) 
             with torch.no_grad():
                 for index, global_param in enumerate(global_params):
                     sent = []
+                    if reduce_codec is not None:
+                        for rank, model in enumerate(models):
+                            delta = global_param - list(model.parameters())[index]
+                            errors[rank][index] = ef_beta * errors[rank][index] + delta
+                        mean_delta, dropped = _quantized_all_reduce([e[index] for e in errors], reduce_codec)
+                        for rank in range(WORLD):
+                            errors[rank][index] = dropped[rank]
+                        sent = [mean_delta] * WORLD
                     for rank, model in enumerate(models):
                         delta = global_param - list(model.parameters())[index]
+                        if reduce_codec is not None:
+                            break
                         if topk_fraction is None:
                             sent.append(delta)
                         else:
@@ -157,7 +192,10 @@ def _simulate(topk_fraction: float | None = None, ef_beta: float | None = None) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("run", "simulation"), [("dense", {}), ("topk_ef", {"topk_fraction": TOPK_FRACTION, "ef_beta": EF_BETA})]
+    ("run", "simulation"), [
+        ("dense", {}), ("topk_ef", {"topk_fraction": TOPK_FRACTION, "ef_beta": EF_BETA}),
+        ("quantize_ef_reduce", {"ef_beta": EF_BETA, "reduce_codec": Quantize(bits=2, method="statistical")}),
+    ]
 )
 @pytest.mark.slow
 def test_matches_simulation(worker_results, run, simulation):
@@ -190,13 +228,17 @@ def test_bytes_follow_the_schedule(worker_results):
             max(1, int(TOPK_FRACTION * s.numel())) * (8 + 4) for s in shapes
         ),  # values + int32 idx
         "quantize": sum(-(-s.numel() * 2 // 8) + 4 * 4 for s in shapes),  # 2-bit codes + 4-entry table
+        # the same per chunk: each rank's row range of every tensor, its own codes and table
+        "quantize_ef_reduce": sum(-(-c.numel() * 2 // 8) + 4 * 4 for s in shapes
+                                  for c in torch.tensor_split(torch.empty(s), WORLD) if c.numel()),
     }
     for run, expected in per_sync.items():
         for rank in range(WORLD):
             observed = worker_results[rank][run]["payload_bytes"]
             assert observed == [expected if step % 3 == 0 else 0 for step in range(1, STEPS + 1)], run
         codec = build_codec(RUNS[run][1])
-        assert DiLoCo.amortized_payload_bytes(shapes, 3, codec, torch.float64) == pytest.approx(expected / 3)
+        exchange = RUNS[run][0].get("exchange", OUTER["exchange"])
+        assert sync_traffic(shapes, codec, exchange, WORLD, torch.float64)[0] == expected, run
 
 
 @pytest.mark.slow

@@ -47,10 +47,12 @@ def test_two_bit_muloco_workers_agree_after_a_sync_and_send_the_quantised_payloa
     assert len(inner["adamw"]["state"]) == 1  # the tied embedding
     assert len(inner["muon"]["state"]) == len(names) - 1
 
-    # 2 bits per element packed into bytes, plus a table of 2^2 float32 bin means per tensor.
-    shapes = [tuple(tensor.shape) for tensor in shared["global_params"]]
-    expected = sum(math.ceil(math.prod(shape) * 2 / 8) + 4 * 4 for shape in shapes)
+    # The quantized all-reduce: each tensor cut by rows into one chunk per worker, each chunk 2 bits
+    # per element packed into bytes plus its own table of 2^2 float32 bin means.
+    chunks = [chunk.shape for tensor in shared["global_params"] for chunk in torch.tensor_split(tensor, 2)
+              if chunk.numel()]
+    expected = sum(math.ceil(math.prod(shape) * 2 / 8) + 4 * 4 for shape in chunks)
     codec = build_codec(run.compression)
-    assert expected == sum(codec.payload_nbytes(torch.Size(shape), torch.float32) for shape in shapes)
+    assert expected == sum(codec.payload_nbytes(torch.Size(shape), torch.float32) for shape in chunks)
     records = read_metrics(run.run_dir / "metrics.jsonl")
     assert [r["comm/payload_bytes"] for r in records] == [0, expected]

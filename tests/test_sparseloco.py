@@ -76,7 +76,7 @@ def _blocks_by_hand(tensor: torch.Tensor, chunk: int) -> list[list[tuple[int, fl
 
 @pytest.mark.filterwarnings("ignore:a dimension of size")
 @pytest.mark.parametrize("shape", ODD_SHAPES)
-@pytest.mark.parametrize("wire", ["paper", "packed"])
+@pytest.mark.parametrize("wire", ["reference", "templar", "packed"])
 def test_decode_of_encode_keeps_each_blocks_largest_entries_on_odd_shapes(shape, wire):
     generator = torch.Generator().manual_seed(sum(shape))
     tensor = torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -96,9 +96,10 @@ def test_decode_of_encode_keeps_each_blocks_largest_entries_on_odd_shapes(shape,
 @pytest.mark.filterwarnings("ignore:a dimension of size")
 @pytest.mark.parametrize("shape", ODD_SHAPES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_packed_bytes_are_really_packed_and_decode_like_the_paper_wire(shape, bits):
+def test_packed_bytes_are_really_packed_and_decode_like_the_reference_wire(shape, bits):
     tensor = torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float32)
-    packed, paper = ChunkedTopK(64, 64, bits, "packed"), ChunkedTopK(64, 64, bits, "paper")
+    packed, paper = ChunkedTopK(64, 64, bits, "packed"), ChunkedTopK(64, 64, bits, "reference")
+    templar = ChunkedTopK(64, 64, bits, "templar")
     layout = packed.layout(tensor.shape)
     kept = layout.num_blocks * packed.kept_per_block(layout)
     payload = packed.encode(tensor)
@@ -111,24 +112,24 @@ def test_packed_bytes_are_really_packed_and_decode_like_the_paper_wire(shape, bi
     reference = paper.encode(tensor)
     assert reference.tensors["indices"].dtype == torch.int64 and reference.tensors["codes"].numel() == kept
     assert torch.equal(packed.decode([payload]), paper.decode([reference]))
+    # templar: the 12-bit indices of the packed wire, one byte per code as the reference
+    unpacked = templar.encode(tensor)
+    assert unpacked.tensors["indices"].numel() == 3 * math.ceil(kept / 2) and unpacked.tensors["codes"].numel() == kept
+    assert unpacked.nbytes == templar.payload_nbytes(tensor.shape, tensor.dtype)
+    assert torch.equal(templar.decode([unpacked]), paper.decode([reference]))
 
 
-@pytest.mark.parametrize("binning", ["reference", "symmetric"])
-def test_two_bit_values_decode_to_the_mean_of_their_bin(binning):
-    """Eight kept values, 2-bit bins worked out in plain Python: ``reference`` rounds to multiples
-    of s = 6 sigma / 4 around the mean (sigma with Bessel's correction, as the SparseLoCo code);
-    ``symmetric`` cuts mean +- 3 sigma (population sigma) into four equal bins (MuLoCo's)."""
+def test_two_bit_values_decode_to_the_mean_of_their_bin():
+    """Eight kept values, 2-bit bins worked out in plain Python: the reference rounds to multiples
+    of s = 6 sigma / 4 around the mean (sigma with Bessel's correction, as the SparseLoCo and
+    MuLoCo code)."""
     tensor = torch.tensor([[8.0, 0.1, -6.0, 0.2], [0.3, 1.0, 0.1, -2.0], [2.5, 0.2, -0.5, 0.1], [0.2, 4.0, 0.3, -1.0]])
-    codec = ChunkedTopK(chunk=2, topk=2, bits=2, wire="packed", binning=binning)  # four 2x2 blocks, two kept in each
+    codec = ChunkedTopK(chunk=2, topk=2, bits=2, wire="packed")  # four 2x2 blocks, two kept in each
     kept = {0: 8.0, 5: 1.0, 2: -6.0, 7: -2.0, 8: 2.5, 13: 4.0, 10: -0.5, 15: -1.0}
     values = list(kept.values())
     mean = sum(values) / 8
-    if binning == "reference":
-        step = 6 * math.sqrt(sum((v - mean) ** 2 for v in values) / 7) / 4
-        bins = {p: min(3, max(0, round((v - mean) / step + 2))) for p, v in kept.items()}
-    else:
-        sigma = math.sqrt(sum((v - mean) ** 2 for v in values) / 8)
-        bins = {p: min(3, max(0, math.floor((v - mean + 3 * sigma) / (6 * sigma / 4)))) for p, v in kept.items()}
+    step = 6 * math.sqrt(sum((v - mean) ** 2 for v in values) / 7) / 4
+    bins = {p: min(3, max(0, round((v - mean) / step + 2))) for p, v in kept.items()}
     table = {b: sum(v for p, v in kept.items() if bins[p] == b) / max(1, sum(bins[p] == b for p in kept))
              for b in range(4)}
     expected = torch.zeros(16)
@@ -137,8 +138,19 @@ def test_two_bit_values_decode_to_the_mean_of_their_bin(binning):
     assert len(set(bins.values())) >= 3  # the case spreads over the bins
     decoded = codec.decode([codec.encode(tensor)]).reshape(-1)
     torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=1e-6)
-    # the two binnings group these values differently
-    assert sorted(bins.values()) == ([1, 2, 2, 2, 2, 2, 3, 3] if binning == "reference" else [0, 1, 1, 1, 2, 2, 2, 3])
+    assert sorted(bins.values()) == [1, 2, 2, 2, 2, 2, 3, 3]
+
+
+def test_entries_sent_by_one_two_and_all_workers_are_averaged_over_their_senders():
+    """Three workers, top-2 of one 2x2 block: (0,0) is sent by all three, (0,1) by workers 0 and
+    1, (1,0) by worker 2 alone, (1,1) by nobody. Over senders: (4 + 1 + 7) / 3 = 4, (2 - 6) / 2 =
+    -2, 5 / 1 = 5, 0. Over all R = 3 (Algorithm 1 as printed) the lone entry would move 5/3."""
+    codec = ChunkedTopK(chunk=2, topk=2, bits=None, wire="packed")
+    payloads = [codec.encode(torch.tensor(t)) for t in ([[4.0, 2.0], [0.0, 1.0]], [[1.0, -6.0], [0.5, 0.0]],
+                                                         [[7.0, 0.0], [5.0, 0.0]])]
+    assert codec.decode(payloads).tolist() == [[4.0, -2.0], [5.0, 0.0]]
+    over_all = sum(codec.decode([p]) for p in payloads) / 3
+    assert over_all[1].tolist() == pytest.approx([5.0 / 3, 0.0])
 
 
 def test_several_payloads_decode_to_the_mean_over_senders():
@@ -285,7 +297,8 @@ def test_config_file_holds_the_paper_defaults_and_validates():
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SparseLoCoConfig), fields))
     assert cfg.validate() == []
     assert (cfg.sync_every, cfg.outer_lr, cfg.outer_momentum, cfg.error_feedback) == (15, 1.0, 0.0, 0.95)
-    assert (cfg.chunk, cfg.topk, cfg.bits, cfg.wire, cfg.binning) == (64, 64, 2, "packed", "reference")
+    # the released paper sweep's top-128, the reference code's aggregation over senders
+    assert (cfg.chunk, cfg.topk, cfg.bits, cfg.wire, cfg.aggregate) == (64, 128, 2, "packed", "senders")
     assert SparseLoCoConfig.defaults(chunk=128, topk=64).validate() == [
         "optimizer.wire=packed sends 12-bit block indices, so chunk must be <= 64, got 128"]
     assert SparseLoCoConfig.defaults(bits=3, aggregate="sum").validate() == [
@@ -299,10 +312,12 @@ def test_strategy_reports_amortised_packed_bytes():
     model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 128, bias=False))
     strategy = SparseLoCoStrategy(SparseLoCoConfig.defaults(), {"name": "none"}, Communicator())
     wrapped, optimizer = strategy.build(model)
-    assert wrapped is model and isinstance(optimizer, SparseLoCo) and strategy.wire_collective() == "all_gather"
-    # each 64x128 / 128x64 weight: two 64x64 blocks x 64 kept = 128 entries: 192 B of indices,
-    # 32 B of 2-bit codes, a 16 B table; once per 15 steps
-    assert strategy.analytic_payload_bytes(model) == pytest.approx(2 * (192 + 32 + 16) / 15)
+    assert wrapped is model and isinstance(optimizer, SparseLoCo) and strategy.exchange() == "all_gather"
+    # each 64x128 / 128x64 weight: two 64x64 blocks x 128 kept = 256 entries: 384 B of indices,
+    # 64 B of 2-bit codes, a 16 B table; once per 15 steps
+    assert strategy.analytic_payload_bytes(model) == pytest.approx(2 * (384 + 64 + 16) / 15)
+    payload, tx, rx = strategy.analytic_traffic(model, 4)
+    assert payload == pytest.approx(2 * (384 + 64 + 16) / 15) and tx == rx == pytest.approx(3 * payload)
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -314,16 +329,17 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "parameters"), [("olmo_300m", 319_946_752), ("olmo_1b", 1_176_764_416)])
 def test_comm_table_rows_for_the_paper_models(model, parameters):
-    """Every OLMo dimension is a multiple of 64, so each weight keeps 1/64 of its entries: 1.5 B of
-    index and 2/8 B of code each, plus a 16 B table per tensor, once per H = 15 steps; the
-    all-gather sends the payload once and receives W-1 of them."""
+    """Every OLMo dimension is a multiple of 64, so each weight keeps 128/4096 = 1/32 of its
+    entries: 1.5 B of index and 2/8 B of code each, plus a 16 B table per tensor, once per H = 15
+    steps; the all-gather sends the payload once and receives W-1 of them. templar's wire keeps
+    1/64 at 1.5 B of index and a whole byte per 2-bit code."""
     from lowcomm.report.comm_table import build_table  # noqa: PLC0415 - report sits above this test's subject
 
     rows = {row.label: row for row in build_table(
         [model], 64, [("sparseloco", ["optimizer=sparseloco"], False),
-                      ("templar", ["optimizer=sparseloco", "optimizer.bits=8"], False)])}
+                      ("templar", ["optimizer=sparseloco", "optimizer.topk=64", "optimizer.wire=templar"], False)])}
     tensors = 1 + 4 * (16 if model == "olmo_1b" else 16)  # embedding + 4 weights per block
-    expected = (parameters / 64 * 1.75 + 16 * tensors) / 15
+    expected = (parameters / 32 * 1.75 + 16 * tensors) / 15
     assert rows["sparseloco"].payload_mb * 1e6 == pytest.approx(expected, rel=1e-9)
     assert rows["sparseloco"].rx_mb == pytest.approx(63 * rows["sparseloco"].payload_mb)
-    assert rows["templar"].payload_mb * 1e6 == pytest.approx((parameters / 64 * 2.5 + 1024 * tensors) / 15)
+    assert rows["templar"].payload_mb * 1e6 == pytest.approx((parameters / 64 * 2.5 + 16 * tensors) / 15)

@@ -133,9 +133,10 @@ def _nesterov_pair(comm, rank):
     inner = lambda ps: torch.optim.AdamW(ps, lr=0.1)  # noqa: E731
     optimizers = [
         StreamingDiLoCo([streaming], inner, StreamingDiLoCoArgs(sync_every=3, overlap=0, mixing=0.0, outer_lr=0.7,
-                                                                outer_momentum=0.9, nesterov=True), comm=comm),
+                                                                outer_momentum=0.9, nesterov=True,
+                                                                exchange="all_reduce"), comm=comm),
         DiLoCo(plain, inner, DiLoCoArgs(sync_every=3, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
-                                        error_feedback=None), comm=comm),
+                                        error_feedback=None, exchange="all_reduce"), comm=comm),
     ]
     for step in range(1, 8):
         grads = torch.Generator().manual_seed(10 * rank + step)
@@ -150,10 +151,11 @@ def _nesterov_pair(comm, rank):
 def _worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_workers' signature
     torch.set_num_threads(1)
     results = {}
-    for name, codec in (("dense", None), ("e3m0", E3M0())):
+    for name, codec, exchange in (("dense", None, "all_reduce"), ("e3m0", E3M0(), "all_reduce"),
+                                  ("e3m0_gather", E3M0(), "all_gather")):
         comm = Communicator()
         params = _scalars()
-        results[name] = _run(_optimizer(params, comm, codec), params, comm, rank, range(5))
+        results[name] = _run(_optimizer(params, comm, codec, exchange=exchange), params, comm, rank, range(5))
 
     # resume after step 3: fragment 1's exchange (sent at 3) is in flight until step 4
     comm = Communicator()
@@ -181,7 +183,7 @@ def worker_results() -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wire", ["dense", "e3m0"])
+@pytest.mark.parametrize("wire", ["dense", "e3m0", "e3m0_gather"])
 def test_steps_match_the_hand_worked_example(worker_results, wire):
     for rank in range(WORLD):
         history, _ = worker_results[rank][wire]
@@ -193,9 +195,10 @@ def test_steps_match_the_hand_worked_example(worker_results, wire):
 @pytest.mark.slow
 def test_each_fragment_is_charged_at_the_step_it_is_sent(worker_results):
     for rank in range(WORLD):
-        # one float64 scalar per step (dense all-reduce); E3M0: one byte of codes + a float32 scale
+        # one float64 scalar per step (dense all-reduce); E3M0: one byte of codes + a float32 scale,
+        # all-gathered or (the scalar is one rank's whole chunk) all-reduced
         assert worker_results[rank]["dense"][1] == [8] * 5
-        assert worker_results[rank]["e3m0"][1] == [5] * 5
+        assert worker_results[rank]["e3m0"][1] == worker_results[rank]["e3m0_gather"][1] == [5] * 5
 
 
 @pytest.mark.slow
@@ -239,9 +242,17 @@ def test_strategy_bytes_amortised_and_peak():
     assert [len(f) for f in optimizer.fragments] == [1, 1, 1, 1]
     assert strategy.analytic_payload_bytes(model) == 4 * 64 * 4 / 8
     assert strategy.analytic_peak_payload_bytes(model) == 64 * 4
-    assert strategy.wire_collective() == "all_reduce"
+    # dense: a ring all-reduce, 2 (W-1)/W x the payload
+    assert strategy.analytic_traffic(model, 2) == (4 * 64 * 4 / 8, 4 * 64 * 4 / 8, 4 * 64 * 4 / 8)
+    # E3M0: half a byte per entry and a 4-byte scale per row (8 rows) for each 8 x 8 weight
     e3m0 = StreamingDiLoCoStrategy(StreamingDiLoCoConfig.defaults(sync_every=8), {"name": "none"}, Communicator())
-    assert e3m0.analytic_payload_bytes(model) == 4 * (32 + 4) / 8 and e3m0.wire_collective() == "all_gather"
+    assert e3m0.analytic_payload_bytes(model) == 4 * (32 + 4 * 8) / 8
+    # the quantized all-reduce at W = 2: each weight in two 4-row chunks of 16 + 16 bytes; a rank
+    # sends the other's chunk (32 B) and forwards its reduced one (32 B) per weight
+    assert e3m0.analytic_traffic(model, 2) == (4 * 64 / 8, 4 * 64 / 8, 4 * 64 / 8)
+    gathered = StreamingDiLoCoStrategy(StreamingDiLoCoConfig.defaults(sync_every=8, exchange="all_gather"),
+                                       {"name": "none"}, Communicator())
+    assert gathered.analytic_traffic(model, 4) == (4 * 64 / 8, 3 * 4 * 64 / 8, 3 * 4 * 64 / 8)
 
 
 @pytest.mark.slow
@@ -279,12 +290,16 @@ def test_sigkill_with_an_exchange_in_flight_then_resume_is_bit_identical(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "parameters"), [("olmo_300m", 319_946_752), ("olmo_1b", 1_176_764_416)])
 def test_comm_table_rows_for_the_paper_models(model, parameters):
-    """E3M0: half a byte per parameter plus a 4 B scale per tensor, every fragment once per H."""
+    """E3M0: half a byte per parameter plus a 4 B scale per row, every fragment once per H; the
+    quantized all-reduce sends about 2 (W-1)/W of it."""
     from lowcomm.report.comm_table import build_table  # noqa: PLC0415 - report sits above this test's subject
 
     rows = build_table([model], 64, [("streaming", ["optimizer=streaming_diloco"], False)])
-    tensors = 1 + 4 * 16
-    assert rows[0].payload_mb * 1e6 == pytest.approx((parameters / 2 + 4 * tensors) / 100, rel=1e-9)
+    d = 1024 if model == "olmo_300m" else 2048
+    rows_total = 50_304 + 16 * (3 * d + d + 8 * d + d)  # embedding, then att_proj, attn_out, ff_proj, ff_out
+    payload = (parameters / 2 + 4 * rows_total) / 100
+    assert rows[0].payload_mb * 1e6 == pytest.approx(payload, rel=1e-9)
+    assert rows[0].tx_mb * 1e6 == pytest.approx(2 * 63 / 64 * payload, rel=2e-3)
     cfg = StreamingDiLoCoConfig.defaults()
     strategy = StreamingDiLoCoStrategy(cfg, {"name": "none"}, Communicator())
     spec = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{model}.yaml"))
@@ -295,4 +310,4 @@ def test_comm_table_rows_for_the_paper_models(model, parameters):
     # fragment 0 holds the embedding (50304 x d) and blocks 0, 4, 8, 12, each 16 d^2 (att_proj 3d x d,
     # attn_out d x d, ff_proj 8d x d, ff_out d x 4d): the largest of the four fragments
     d = 1024 if model == "olmo_300m" else 2048
-    assert peak == (50304 * d + 4 * 16 * d * d) // 2 + 4 * (1 + 4 * 4)
+    assert peak == (50304 * d + 4 * 16 * d * d) // 2 + 4 * (50304 + 4 * 13 * d)  # a scale per row

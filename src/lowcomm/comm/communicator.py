@@ -1,7 +1,9 @@
 """The Communicator: the only code in lowcomm that calls torch.distributed collectives.
 
 Its methods mirror ``torch.distributed`` (``all_reduce``, ``all_gather``, ``reduce_scatter``,
-``broadcast``, each with ``async_op``) and every call is recorded in a :class:`CommMeter`
+``broadcast``, each with ``async_op``), plus :meth:`Communicator.all_reduce_quantized` (the
+mean of encoded tensors, reduced in float32 where it lands: torchft's quantized all-reduce,
+built of an all-to-all and an all-gather, see :mod:`lowcomm.comm.quantized`); every call is recorded in a :class:`CommMeter`
 before it is issued. Optimizers, DDP comm hooks and the training loop all talk through it, so
 the meter sees every byte that crosses a process boundary.
 
@@ -32,6 +34,13 @@ from lowcomm.comm.meter import (
     ring_all_gather_traffic,
     ring_all_reduce_traffic,
     ring_reduce_scatter_traffic,
+)
+from lowcomm.comm.quantized import (
+    chunk_views,
+    payload_bytes,
+    payload_from_bytes,
+    payload_size,
+    quantized_all_reduce_traffic,
 )
 
 _OPS = {
@@ -229,6 +238,52 @@ class Communicator:
             output, tensor.contiguous(), op=_OPS[op], group=group, async_op=async_op
         )
 
+    def all_reduce_quantized(
+        self, tensors: Sequence[torch.Tensor], codec, *, out: Sequence[torch.Tensor] | None = None,
+        residual: bool = False, async_op: bool = False,
+    ):
+        """The mean over ranks of ``tensors``, sent encoded by ``codec``, written to ``out``
+        (default: ``tensors`` themselves): every rank encodes W chunks of each tensor, an
+        all-to-all brings chunk j of every rank to rank j, which decodes, sums in float32,
+        divides by W and encodes the mean again, and an all-gather returns the reduced chunks
+        (:mod:`lowcomm.comm.quantized`). Every rank ends with the same values: the decoded
+        re-encoded mean.
+
+        ``residual``: leave in each input what its encoding dropped (input - decode(sent)), the
+        update of an error-feedback accumulator; the re-encoding of the mean is not fed back (as
+        in MuLoCo's code, where error feedback sees only the worker's own quantization).
+        All inputs are read before anything is written, so ``out`` may be ``tensors``. One call
+        for many tensors costs one all-to-all and one all-gather. Metered as one
+        ``all_reduce_quantized`` record: the payload is this rank's encoded chunks, tx / rx
+        both phases (about 2 (W-1)/W x the payload each way).
+
+        Returns None, or with ``async_op`` a work whose ``wait()`` finishes the exchange (the
+        all-to-all runs in the background until then; the reduction and the all-gather run in
+        ``wait``)."""
+        out = list(tensors) if out is None else list(out)
+        if len(out) != len(tensors):
+            raise ValueError(f"all_reduce_quantized: {len(tensors)} inputs but {len(out)} outputs")
+        group = self._route("all_reduce_quantized", "data", *tensors, *out)
+        world = self.world_size
+        # phase 1, locally: encode every chunk; sent[t][j] is tensor t's chunk j (None: empty)
+        sent = []
+        for tensor in tensors:
+            payloads = []
+            for chunk in chunk_views(tensor.detach(), world):
+                payload = codec.encode(chunk) if chunk is not None else None
+                if payload is not None and residual:
+                    chunk.sub_(codec.decode([payload]).view_as(chunk))
+                payloads.append(payload)
+            sent.append(payloads)
+        exchange = _QuantizedExchange(self, group, codec, sent, out)
+        self._record("all_reduce_quantized", sum(exchange.chunk_bytes),
+                     quantized_all_reduce_traffic(exchange.chunk_bytes, self.rank, world), "data")
+        exchange.start()
+        if async_op:
+            return exchange
+        exchange.wait()
+        return None
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False, purpose: str = "data"):
         """Broadcast from group rank ``src``; the payload is the source's message."""
         group = self._route("broadcast", purpose, tensor)
@@ -279,6 +334,88 @@ class Communicator:
             raise ValueError(f"global rank {self.global_rank} is in none of the groups {groups}")
         # no control group: a sub-group's control traffic (FSDP's validation gathers) is on the data device
         return Communicator(group=mine, meter=self.meter, scope=scope, device=self.device)
+
+
+class _QuantizedExchange:
+    """A quantized all-reduce in flight (see :meth:`Communicator.all_reduce_quantized`):
+    :meth:`start` issues the all-to-all; :meth:`wait` reduces this rank's chunks, re-encodes
+    them, all-gathers and decodes every chunk into the outputs."""
+
+    def __init__(self, comm: Communicator, group, codec, sent: list[list], out: list[torch.Tensor]):
+        self.comm, self.group, self.codec, self.sent, self.out = comm, group, codec, sent, out
+        world = comm.world_size
+        # chunk_bytes[j]: rank j's chunks of every tensor, encoded (the same sizes on every rank);
+        # offsets[t][j]: where tensor t's chunk j starts among them
+        self.offsets, running = [], [0] * world
+        for payloads in sent:
+            self.offsets.append(list(running))
+            running = [total + payload_size(payload) for total, payload in zip(running, payloads, strict=True)]
+        self.chunk_bytes = running
+        self.device = out[0].device if out else torch.device("cpu")
+        self.received = self.work = None
+        self.done = False
+
+    def start(self) -> None:
+        world, rank = self.comm.world_size, self.comm.rank
+        if world == 1:
+            return
+        send = torch.cat([payload_bytes(payloads[j]) for j in range(world) for payloads in self.sent
+                          if payloads[j] is not None] or [torch.empty(0, dtype=torch.uint8)]).to(self.device)
+        self.received = torch.empty(world * self.chunk_bytes[rank], dtype=torch.uint8, device=self.device)
+        self.work = dist.all_to_all_single(self.received, send, [self.chunk_bytes[rank]] * world, self.chunk_bytes,
+                                           group=self.group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def _reduced(self) -> list:
+        """This rank's chunk of every tensor: the W senders' chunks decoded one by one, summed in
+        float32 (float64 for a float64 tensor) in rank order, divided by W and encoded again
+        (None where the chunk is empty)."""
+        world, rank = self.comm.world_size, self.comm.rank
+        if world == 1:
+            return [payloads[0] for payloads in self.sent]
+        self.work.wait()
+        size = self.chunk_bytes[rank]
+        reduced = []
+        for payloads, offsets in zip(self.sent, self.offsets, strict=True):
+            template = payloads[rank]
+            if template is None:
+                reduced.append(None)
+                continue
+            # float32 for bf16 / fp32 tensors (torchft's), the tensor's own precision above that
+            accumulate = torch.promote_types(template.meta["dtype"], torch.float32)
+            total = None
+            for sender in range(world):
+                piece = payload_from_bytes(self.received[sender * size + offsets[rank]:], template)
+                decoded = self.codec.decode([piece]).to(accumulate)
+                total = decoded if total is None else total.add_(decoded)
+            mean = total.div_(world).to(template.meta["dtype"]).view(template.meta["shape"])
+            reduced.append(self.codec.encode(mean))
+        return reduced
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as dist.Work
+        if self.done:
+            return True
+        world, rank = self.comm.world_size, self.comm.rank
+        reduced = self._reduced()
+        gathered, padded = None, max(self.chunk_bytes)
+        if world > 1:
+            # every rank's reduced chunks, padded to the largest rank's (an all-gather of equal sizes)
+            mine = torch.cat([payload_bytes(p) for p in reduced if p is not None]
+                             or [torch.empty(0, dtype=torch.uint8)]).to(self.device)
+            buffer = torch.zeros(padded, dtype=torch.uint8, device=self.device)
+            buffer[: mine.numel()] = mine
+            gathered = torch.empty(world * padded, dtype=torch.uint8, device=self.device)
+            dist.all_gather_single(gathered, buffer, group=self.group)
+        for payloads, offsets, own, target in zip(self.sent, self.offsets, reduced, self.out, strict=True):
+            for j, chunk in enumerate(chunk_views(target.detach(), world)):
+                if chunk is None:
+                    continue
+                payload = own if j == rank else payload_from_bytes(gathered[j * padded + offsets[j]:], payloads[j])
+                chunk.copy_(self.codec.decode([payload]).view_as(chunk))
+        self.done = True
+        return True
 
 
 def _describe(served: dict[str, str]) -> str:

@@ -32,10 +32,16 @@ class Codec(Protocol):
     """``name``: its ``compression`` config name. ``decodes_mean``: whether ``decode`` of the W
     workers' payloads is the workers' mean (or the mean over the workers that sent each
     entry): the property an optimizer that averages a tensor over workers needs of a codec
-    (DiLoCo's ``accepts_codec``); a codec whose decode is, say, a majority vote is not one."""
+    (DiLoCo's ``accepts_codec``); a codec whose decode is, say, a majority vote is not one.
+    ``reducible``: see below."""
 
     name: str
     decodes_mean: bool
+    # Whether a payload encodes every entry (a quantizer), so the mean of decoded payloads can be
+    # encoded again and reduced where it lands: the quantized all-reduce
+    # (lowcomm.comm.Communicator.all_reduce_quantized). A sparsifier's supports differ per
+    # worker, so its payloads are all-gathered (the references do the same). Absent: False.
+    reducible: bool
 
     def encode(self, tensor: torch.Tensor) -> Payload: ...
 

@@ -5,24 +5,25 @@ A tensor is cut into blocks by DeMo's chunk rule (:class:`lowcomm.compress.dct.B
 for the default 64), with no transform: top-k runs on the entries themselves. Every block
 keeps its ``k`` largest-magnitude entries, ``k = round(block_numel * topk / chunk**2)``
 clamped to [1, block_numel] (so a block smaller than ``chunk x chunk`` keeps the same density).
-The kept values of the whole tensor are quantized to ``bits`` bits against a sent table of
-2**bits float32 per-bin means; ``bits=None`` sends them in the tensor's dtype. Two binnings,
-both with nominal range mean +- r sigma (r = ``range_sigmas``):
+The kept values of the whole tensor are quantized to ``bits`` bits by the reference's
+statistical quantizer (:func:`lowcomm.compress.quantize.statistical_codes`, the one MuLoCo's
+codec uses too: shift by the mean, step 2 r sigma / 2**bits with r = ``range_sigmas``, codes
+centred on multiples of the step, decoded with a sent table of 2**bits float32 per-bin means);
+``bits=None`` sends them in the tensor's dtype.
 
-- ``reference`` (the SparseLoCo / templar code): shift by the mean, step s = 2 r sigma / 2**bits
-  (sigma with Bessel's correction), code = round(x / s + 2**(bits-1)) clamped to the codes, so
-  bins are centred on multiples of s (for 2 bits: one bin for everything above s/2);
-- ``symmetric``: MuLoCo's statistical quantizer (:class:`lowcomm.compress.quantize.Quantize`):
-  2**bits equal bins with edges at mean - r sigma + j 2 r sigma / 2**bits.
+Wire formats (``wire``), per tensor, each named after who sends it:
 
-Wire formats (``wire``), per tensor:
+- ``reference``: the tensors the SparseLoCo reference code hands to ``all_gather``: int64
+  block-local indices (``torch.topk``'s) and one uint8 per code, plus the table: 9 bytes per
+  kept entry. (Not the paper's accounting: that is the wire of a real deployment, below.)
+- ``templar``: templar's production wire: block-local indices in 12 bits (two indices in three
+  bytes) and one uint8 per code (its 2-bit codes are not bit-packed), plus the table: 2.5 bytes
+  per kept entry.
+- ``packed``: 12-bit indices and the codes bit-packed, ``8 // bits`` to a byte, plus the table:
+  1.5 + bits/8 bytes per kept entry (1.75 for 2 bits).
 
-- ``paper``: what the reference implementation hands to ``all_gather``: int64 block-local
-  indices (``torch.topk``'s) and one uint8 code per kept value (unpacked), plus the table.
-- ``packed``: block-local indices in 12 bits (two indices in three bytes; a block has at most
-  4,096 entries, so ``chunk`` must be <= 64) and the codes bit-packed, ``8 // bits`` to a byte,
-  plus the table: 1.5 + bits/8 bytes per kept entry (1.75 for 2 bits; 2.5 for 8 bits, templar's
-  production wire). These bytes are really packed: the payload tensors are the packed bytes.
+A 12-bit index addresses at most 4,096 block entries, so ``templar`` and ``packed`` need
+``chunk`` <= 64. These bytes are really packed: the payload tensors are the packed bytes.
 
 ``decode`` of one payload is that worker's sparse reconstruction. ``decode`` of several (an
 all-gather's W payloads) gives each entry the **mean over the workers that sent it** (the
@@ -39,11 +40,11 @@ import torch
 
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout
-from lowcomm.compress.quantize import BITS, Quantize, pack_codes, unpack_codes
+from lowcomm.compress.quantize import BITS, pack_codes, statistical_codes, unpack_codes
 from lowcomm.compress.registry import register_codec
 
-WIRES = ("paper", "packed")
-BINNINGS = ("reference", "symmetric")
+WIRES = ("reference", "templar", "packed")
+TWELVE_BIT_WIRES = ("templar", "packed")  # block indices packed 12 bits each
 MAX_PACKED_CHUNK = 64  # 64 x 64 = 4,096 block entries: the most a 12-bit index can address
 
 
@@ -75,9 +76,10 @@ class ChunkedTopK:
 
     name = "chunked_topk"
     decodes_mean = True  # decode(W payloads): their mean (see Codec)
+    reducible = False  # supports differ per worker: all-gathered
 
     def __init__(self, chunk: int = 64, topk: int = 64, bits: int | None = 2, wire: str = "packed",
-                 range_sigmas: float = 3.0, binning: str = "reference"):
+                 range_sigmas: float = 3.0):
         if chunk < 1 or topk < 1:
             raise ValueError(f"chunk and topk must be >= 1, got {chunk} and {topk}")
         if topk > chunk * chunk:
@@ -86,18 +88,17 @@ class ChunkedTopK:
             raise ValueError(f"bits must be null or one of {', '.join(map(str, BITS))}, got {bits}")
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
-        if wire == "packed" and chunk > MAX_PACKED_CHUNK:
-            raise ValueError(f"wire=packed sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, "
+        if wire in TWELVE_BIT_WIRES and chunk > MAX_PACKED_CHUNK:
+            raise ValueError(f"wire={wire} sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, "
                              f"got {chunk}")
-        if binning not in BINNINGS:
-            raise ValueError(f"binning must be one of {', '.join(BINNINGS)}, got {binning!r}")
+        if not range_sigmas > 0:
+            raise ValueError(f"range_sigmas must be > 0, got {range_sigmas}")
         self.chunk, self.topk, self.bits, self.wire = chunk, topk, bits, wire
-        self.range_sigmas, self.binning = range_sigmas, binning
-        self.quantizer = Quantize(bits, "statistical", range_sigmas) if bits is not None else None
+        self.range_sigmas = range_sigmas
 
     def __repr__(self) -> str:
         return (f"ChunkedTopK(chunk={self.chunk}, topk={self.topk}, bits={self.bits}, wire={self.wire!r}, "
-                f"binning={self.binning!r})")
+                f"range_sigmas={self.range_sigmas})")
 
     @property
     def density(self) -> float:
@@ -114,11 +115,11 @@ class ChunkedTopK:
         """Bytes :meth:`encode` puts on the wire for a tensor of this shape and dtype."""
         layout = self.layout(shape)
         kept = layout.num_blocks * self.kept_per_block(layout)
-        index_bytes = 3 * math.ceil(kept / 2) if self.wire == "packed" else 8 * kept
-        if self.quantizer is None:
+        index_bytes = 3 * math.ceil(kept / 2) if self.wire in TWELVE_BIT_WIRES else 8 * kept
+        if self.bits is None:
             return index_bytes + kept * dtype.itemsize
         code_bytes = math.ceil(kept * self.bits / 8) if self.wire == "packed" else kept
-        return index_bytes + code_bytes + 4 * self.quantizer.num_bins
+        return index_bytes + code_bytes + 4 * 2**self.bits
 
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> Payload:
@@ -126,52 +127,27 @@ class ChunkedTopK:
         blocks = layout.blocked(tensor.reshape(layout.rows, layout.cols)).reshape(layout.num_blocks, -1)
         indices = blocks.abs().topk(self.kept_per_block(layout), dim=1, sorted=False).indices
         values = blocks.gather(1, indices).reshape(-1)
-        if self.wire == "packed":
+        if self.wire in TWELVE_BIT_WIRES:
             tensors = {"indices": pack_uint12(indices)}
         else:
             tensors = {"indices": indices}
-        if self.quantizer is None:
+        if self.bits is None:
             tensors["values"] = values
         else:
-            if self.binning == "reference":
-                codes, table = self._quantize_reference(values)
-                if self.wire == "packed":
-                    codes = pack_codes(codes, self.bits)
-            else:
-                quantized = self.quantizer.encode(values)
-                codes, table = quantized.tensors["codes"], quantized.tensors["table"]
-                if self.wire == "paper":
-                    codes = unpack_codes(codes, self.bits, values.numel())
-            tensors.update(codes=codes, table=table)
+            codes, table = statistical_codes(values, self.bits, self.range_sigmas)
+            tensors.update(codes=pack_codes(codes, self.bits) if self.wire == "packed" else codes, table=table)
         return Payload(tensors=tensors, meta={"shape": tensor.shape, "dtype": tensor.dtype, "layout": layout})
-
-    def _quantize_reference(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(one uint8 code per value, table of per-bin means) with the reference's binning; the
-        mean shift is folded into the table, so decoding is a lookup."""
-        values = values.float()
-        bins = 2**self.bits
-        shift = values.mean()
-        centred = values - shift
-        sigma = (centred.norm() / math.sqrt(centred.numel() - 1) if centred.numel() > 1
-                 else torch.zeros((), device=values.device))
-        step = 2 * self.range_sigmas * sigma / bins
-        # a constant (or single) value has no spread: every value lands in the middle bin
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        codes = (centred / step + bins // 2).round_().clamp_(0, bins - 1).to(torch.uint8)
-        sums = torch.zeros(bins, device=values.device).index_add_(0, codes.long(), centred)
-        counts = torch.bincount(codes.long(), minlength=bins).clamp_(min=1)
-        return codes, sums / counts + shift
 
     def _sparse(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat positions, values in the tensor's dtype) of one payload's kept entries."""
         layout: BlockLayout = payload.meta["layout"]
         kept = layout.num_blocks * self.kept_per_block(layout)
-        if self.wire == "packed":
+        if self.wire in TWELVE_BIT_WIRES:
             block_index = unpack_uint12(payload.tensors["indices"], kept)
         else:
             block_index = payload.tensors["indices"].reshape(-1).long()
         positions = layout.global_index(block_index.view(layout.num_blocks, -1)).reshape(-1)
-        if self.quantizer is None:
+        if self.bits is None:
             values = payload.tensors["values"].reshape(-1)
         else:
             codes = payload.tensors["codes"]

@@ -98,6 +98,7 @@ class DCTTopK:
 
     name = "dct_topk"
     decodes_mean = True  # decode(W payloads): their mean (see Codec)
+    reducible = False  # supports differ per worker: all-gathered
 
     def __init__(self, chunk: int = 64, topk: int = 32, wire: str = "paper"):
         if chunk < 1:

@@ -1,13 +1,21 @@
 """4-bit floating point with no mantissa (E3M0): Streaming DiLoCo's outer-gradient wire
 (Douillard et al. 2025, arXiv 2501.18512, "4 bits ... E3M0"; the reduction is done in fp32).
 
-Each entry becomes one sign bit and a 3-bit exponent code e relative to a per-tensor scale
-s = max |x| (sent as one float32): e = 0 means 0, and e in 1..7 means sign * s * 2**(e - 7), i.e.
-magnitudes s/64, s/32, ..., s/2, s. An entry is rounded to the nearest of those magnitudes (or
-to 0 below s/128), deterministically, so the relative error of a kept magnitude is at most 1/3.
-Codes are packed two to a byte (:func:`lowcomm.compress.quantize.pack_codes`): numel / 2 + 4
-bytes per tensor. ``decode`` of several payloads is the mean of their dequantized tensors,
-accumulated in float32.
+Each entry becomes one sign bit and a 3-bit exponent code e relative to its row's scale
+s = max |x| over the row (one float32 per row: a matrix's rows are its first dimension, a
+vector is one row): e = 0 means 0, and e in 1..7 means sign * s * 2**(e - 7), i.e. magnitudes
+s/64, s/32, ..., s/2, s. An entry is rounded to the nearest of those magnitudes (or to 0 below
+s/128), deterministically, so the relative error of a kept magnitude is at most 1/3.
+
+Why per row: the format's dynamic range is 2**6, so one scale for a whole heavy-tailed tensor
+(a 51M-entry embedding whose rows differ by orders of magnitude) flushes most of its entries to
+zero; torchft's quantized collectives scale per row for the same reason
+(``benchmarks/e3m0_flush.py`` measures the flushed fraction on OLMo's shapes both ways).
+``rowwise=False`` keeps the one per-tensor scale, for that comparison.
+
+Codes are packed two to a byte (:func:`lowcomm.compress.quantize.pack_codes`):
+ceil(numel / 2) + 4 x rows bytes per tensor. ``decode`` of several payloads is the mean of their
+dequantized tensors, accumulated in float32.
 """
 
 from __future__ import annotations
@@ -23,22 +31,37 @@ from lowcomm.compress.registry import register_codec
 EXPONENTS = 7  # nonzero exponent codes 1..7
 
 
+def scale_rows(shape: torch.Size | tuple[int, ...], rowwise: bool = True) -> int:
+    """How many scales E3M0 sends for a tensor of ``shape``: one per row of a matrix (the first
+    dimension), one for a vector, a scalar or a per-tensor scale."""
+    shape = tuple(shape)
+    return shape[0] if rowwise and len(shape) >= 2 else 1
+
+
 @register_codec("e3m0")
 class E3M0:
     name = "e3m0"
     decodes_mean = True  # decode(W payloads): their mean (see Codec)
+    reducible = True  # every entry encoded: the quantized all-reduce applies
     bits = 4
 
+    def __init__(self, rowwise: bool = True):
+        self.rowwise = rowwise
+
     def __repr__(self) -> str:
-        return "E3M0()"
+        return f"E3M0(rowwise={self.rowwise})"
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:  # noqa: ARG002
-        return math.ceil(torch.Size(shape).numel() / 2) + 4
+        return math.ceil(torch.Size(shape).numel() / 2) + 4 * scale_rows(shape, self.rowwise)
 
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> Payload:
-        values = tensor.reshape(-1).float()
-        scale = values.abs().max() if values.numel() else torch.zeros((), device=values.device)
+        rows = scale_rows(tensor.shape, self.rowwise)
+        values = tensor.reshape(rows, -1).float()
+        if values.numel():
+            scale = values.abs().amax(dim=1, keepdim=True)
+        else:
+            scale = values.new_zeros(rows, 1)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         magnitude = values.abs() / safe  # in [0, 1]
         # nearest power of two 2**j (j in -6..0) in linear distance: 2**floor(log2 m) or twice it,
@@ -48,16 +71,18 @@ class E3M0:
         code = (exponent + EXPONENTS).clamp_(min=1)
         code = torch.where(magnitude < 2.0 ** -(EXPONENTS), torch.zeros_like(code), code)
         sign = (values < 0).to(torch.uint8) << 3
-        codes = code.to(torch.uint8) | sign
-        return Payload(tensors={"codes": pack_codes(codes, 4), "scale": scale.reshape(1).float()},
+        codes = (code.to(torch.uint8) | sign).reshape(-1)
+        return Payload(tensors={"codes": pack_codes(codes, 4), "scale": scale.reshape(rows).float()},
                        meta={"shape": tensor.shape, "dtype": tensor.dtype})
 
     def _dequantize(self, payload: Payload) -> torch.Tensor:
+        scale = payload.tensors["scale"]
         codes = unpack_codes(payload.tensors["codes"], 4, payload.meta["shape"].numel()).long()
+        codes = codes.view(scale.numel(), -1)
         exponent = codes & 0b111
         sign = 1.0 - 2.0 * (codes >> 3).float()
-        value = torch.exp2(exponent.float() - EXPONENTS) * payload.tensors["scale"]
-        return torch.where(exponent > 0, sign * value, torch.zeros_like(value))
+        value = torch.exp2(exponent.float() - EXPONENTS) * scale.view(-1, 1)
+        return torch.where(exponent > 0, sign * value, torch.zeros_like(value)).reshape(-1)
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
         return mean_of_dequantized(payloads, self._dequantize)

@@ -31,9 +31,15 @@ class ErrorFeedback:
         return f"ErrorFeedback({self.codec!r}, beta={self.beta})"
 
     @torch.no_grad()
+    def accumulate(self, accumulator: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The first line, in place: ``E <- beta E + update``. (A caller whose collective encodes
+        E itself and leaves the residual, such as the quantized all-reduce, stops here.)"""
+        return accumulator.mul_(self.beta).add_(update)
+
+    @torch.no_grad()
     def compress(self, accumulator: torch.Tensor, update: torch.Tensor) -> Payload:
         """Fold ``update`` into ``accumulator`` (in place), encode it, and keep the residual."""
-        accumulator.mul_(self.beta).add_(update)
+        self.accumulate(accumulator, update)
         payload = self.codec.encode(accumulator)
         accumulator.sub_(self.codec.decode([payload]))
         return payload

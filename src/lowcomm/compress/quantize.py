@@ -3,14 +3,17 @@
 Two per-tensor schemes, as in MuLoCo (Thérien et al. 2025):
 
 ``statistical``
-    Shift by the tensor's mean; split [mean - r*sigma, mean + r*sigma] (r = ``range_sigmas``,
-    3 by default; sigma the population standard deviation) into 2**b equal bins; send each
-    entry's bin (deterministic: the bin it falls in, i.e. the nearest bin centre; entries
-    beyond the range go to the edge bins) and a table of 2**b float32 values, the mean of the
-    entries that fell in each bin. Decoding looks the table up. The table holds means of the
-    original entries, so the shift is folded into it and not sent separately. For an entry
-    inside the range the error is at most one bin width, 2 r sigma / 2**b: the entry and its
-    bin's mean lie in the same bin.
+    The reference code's quantizer (facebookresearch/MuLoCo, ``QuantizationCompressor._quantize``
+    in torchtitan/components/quantized_outer_sgd.py; the same in SparseLoCo's code): shift by the
+    tensor's mean, step s = 2 r sigma / 2**b (r = ``range_sigmas``, 3 by default, so s = 6 sigma / 4
+    for 2 bits; sigma with Bessel's correction), code = round(x_centred / s + 2**(b-1)) clamped
+    to [0, 2**b - 1]. Bins are centred on multiples of s around the mean: for 2 bits the codes
+    mean "below -1.5 s", "about -s", "about 0", "above +0.5 s" (round half to even), so about 55 %
+    of a Gaussian's entries land in the middle bin. Decoding looks up a sent table of 2**b
+    float32 values, the mean of the entries that fell in each bin (the shift folded in: the
+    reference sends the shift beside a table of centred means; the sum is the same float).
+    :func:`statistical_codes` is that function; SparseLoCo's codec quantizes its kept values
+    with it too.
 
 ``linear``
     Min-max: codes round((x - min) / scale) with scale = (max - min) / (2**b - 1); send min
@@ -58,6 +61,24 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return torch.stack(slots, dim=1).view(-1)[:numel]
 
 
+def statistical_codes(values: torch.Tensor, bits: int, range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's statistical quantizer (see the module doc) on a flat tensor: (one uint8
+    code per entry, unpacked; the table of 2**bits float32 per-bin means, shift included).
+    Computed in float32 in the reference's order of operations, so codes and table equal its."""
+    values = values.reshape(-1).float()
+    bins = 2**bits
+    shift = values.mean() if values.numel() else values.new_zeros(())
+    centred = values - shift
+    sigma = centred.var(correction=1).sqrt() if centred.numel() > 1 else centred.new_zeros(())
+    step = (2 * range_sigmas) * sigma / bins
+    # no spread (a constant or a single value): every entry lands in the middle bin, exactly
+    step = torch.where((step > 0) & step.isfinite(), step, torch.ones_like(step))
+    codes = (centred / step + bins // 2).round_().clamp_(0, bins - 1).to(torch.uint8)
+    sums = torch.bincount(codes.long(), weights=centred, minlength=bins)
+    counts = torch.bincount(codes.long(), minlength=bins).float().clamp_(min=1)
+    return codes, sums / counts + shift
+
+
 @register_codec("quantize")
 class Quantize:
     """Per-tensor ``bits``-bit quantisation, ``method`` ``statistical`` or ``linear``.
@@ -67,6 +88,7 @@ class Quantize:
 
     name = "quantize"
     decodes_mean = True  # decode(W payloads): their mean (see Codec)
+    reducible = True  # every entry encoded: the quantized all-reduce applies
 
     def __init__(self, bits: int = 2, method: str = "statistical", range_sigmas: float = 3.0):
         if bits not in BITS:
@@ -103,18 +125,7 @@ class Quantize:
         )
 
     def _encode_statistical(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = values.mean()
-        half_range = self.range_sigmas * values.std(correction=0)
-        bin_width = 2 * half_range / self.num_bins
-        # a constant tensor has zero width: every entry lands in bin 0, whose mean is exact
-        bin_width = torch.where(bin_width > 0, bin_width, torch.ones_like(bin_width))
-        position = (values - mean + half_range) / bin_width
-        codes = position.floor_().clamp_(0, self.num_bins - 1).to(torch.uint8)
-        bins = codes.long()
-        sums = torch.zeros(self.num_bins, dtype=torch.float32, device=values.device)
-        sums.index_add_(0, bins, values)
-        counts = torch.bincount(bins, minlength=self.num_bins).clamp_(min=1)
-        return codes, sums / counts
+        return statistical_codes(values, self.bits, self.range_sigmas)
 
     def _encode_linear(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         low, high = values.min(), values.max()

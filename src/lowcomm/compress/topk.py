@@ -29,6 +29,7 @@ class TopK:
 
     name = "topk"
     decodes_mean = True  # decode(W payloads): their mean (see Codec)
+    reducible = False  # supports differ per worker: all-gathered
 
     def __init__(self, fraction: float = 0.01, index_dtype: str = "int32"):
         if not 0 < fraction <= 1:

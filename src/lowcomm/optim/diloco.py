@@ -7,7 +7,7 @@ synchronise::
     Delta_i = theta_global - theta_i                    # pseudo-gradient of worker i
     Delta   = mean_i Delta_i                            # all-reduce (uncompressed), or:
         E_i <- beta E_i + Delta_i;  D_i = C(E_i);  E_i <- E_i - decode(D_i)
-        Delta = mean_i decode(D_i)                      # all-gather of the payloads D_i
+        Delta = mean_i decode(D_i)                      # exchange of the payloads D_i
     b <- mu b + Delta                                   # outer SGD, Nesterov momentum
     theta_global <- theta_global - lr_out (Delta + mu b)
     theta_i <- theta_global                             # every worker restarts from it
@@ -18,6 +18,21 @@ constant outer lr it equals MuLoCo's form u <- mu u + lr_out Delta; theta <- the
 lr_out Delta (u = lr_out b). The compressed branch is MuLoCo's Algorithm 1: the accumulator
 takes Delta_i itself. The official MuLoCo code also multiplies the outer lr into the
 accumulator, so lr_out enters twice; we follow the paper.
+
+The exchange of compressed payloads (``exchange``):
+
+- ``all_reduce`` (default) for a quantizer (a codec that encodes every entry, ``reducible``):
+  the quantized all-reduce (:meth:`lowcomm.comm.Communicator.all_reduce_quantized`), torchft's
+  ``allreduce_quantized``, which MuLoCo's code simulates (``simulate_quantization_after_reduce``):
+  C is applied per chunk of each tensor (W chunks, each with its own statistics), rank j
+  reduces chunk j in float32 and re-quantizes it, and Delta is the decoded re-quantized mean,
+  the same on every worker. About 2 (W-1)/W x the payload per worker, like a ring all-reduce.
+  The re-quantization of the mean is not fed back: E_i sees only the worker's own C (MuLoCo's
+  ``_save_grads`` subtracts the local reconstruction only). A sparsifier (top-k, DCT top-k)
+  all-gathers whatever ``exchange`` says: its supports differ per worker (MuLoCo's code turns
+  the simulated re-quantization off for top-k).
+- ``all_gather``: every worker's payload to every worker, (W-1) x the payload each, and Delta
+  the plain mean of the W decoded payloads (MuLoCo's Algorithm 1 as first read here).
 
 Inner optimizer states stay local and are never reset. MuLoCo is this class configured with
 a Muon inner optimizer (``inner`` is any optimizer, or a factory building one over the
@@ -33,11 +48,16 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.comm.meter import ring_all_gather_bytes, ring_all_reduce_bytes
+from lowcomm.comm.quantized import encoded_sizes, quantized_all_reduce_bytes
 from lowcomm.compress.base import Codec, Payload
 from lowcomm.compress.error_feedback import ErrorFeedback
-from lowcomm.optim.args import Args
+from lowcomm.optim.args import Args, one_of_error
 
-__all__ = ["DiLoCo", "DiLoCoArgs", "OuterArgs", "all_gather_payloads"]
+__all__ = ["EXCHANGES", "DiLoCo", "DiLoCoArgs", "OuterArgs", "all_gather_payloads", "reduces_quantized",
+           "sync_traffic"]
+
+EXCHANGES = ("all_reduce", "all_gather")
 
 InnerOptimizer = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,6 +91,28 @@ def payload_nbytes(compressor: Codec | None, shape: torch.Size | tuple[int, ...]
     if compressor is None:
         return shape.numel() * dtype.itemsize
     return compressor.payload_nbytes(shape, dtype)
+
+
+def reduces_quantized(exchange: str, compressor: Codec | None) -> bool:
+    """Whether payloads of ``compressor`` go through the quantized all-reduce: ``exchange`` asks
+    for it and the codec encodes every entry (a quantizer); a sparsifier is all-gathered."""
+    return compressor is not None and exchange == "all_reduce" and bool(getattr(compressor, "reducible", False))
+
+
+def sync_traffic(
+    shapes: Iterable[torch.Size | tuple[int, ...]], compressor: Codec | None, exchange: str, world_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, float, float]:
+    """(payload, tx, rx) bytes one worker's synchronisation of tensors of ``shapes`` costs at
+    world size W, averaged over the workers: a dense ring all-reduce, the quantized all-reduce
+    (its payload is W chunks per tensor, each with its own side data) or an all-gather."""
+    shapes = [torch.Size(shape) for shape in shapes]
+    if reduces_quantized(exchange, compressor):
+        return quantized_all_reduce_bytes(*encoded_sizes(compressor, shapes, world_size, dtype), world_size)
+    payload = sum(payload_nbytes(compressor, shape, dtype) for shape in shapes)
+    formula = ring_all_reduce_bytes if compressor is None else ring_all_gather_bytes
+    tx, rx = formula(payload, world_size)
+    return float(payload), float(tx), float(rx)
 
 
 def outer_direction_(direction: torch.Tensor, momentum: torch.Tensor | None, beta: float, nesterov: bool) -> None:
@@ -117,11 +159,16 @@ class OuterArgs(Args):
 @dataclass(kw_only=True)
 class DiLoCoArgs(OuterArgs):
     """DiLoCo's arguments (and MuLoCo's, which is DiLoCo with Muon inside); defaults in
-    ``configs/optimizer/diloco.yaml``. ``nesterov``: Nesterov outer momentum."""
+    ``configs/optimizer/diloco.yaml``. ``nesterov``: Nesterov outer momentum. ``exchange``: how
+    a quantized pseudo-gradient travels, ``all_reduce`` or ``all_gather`` (module doc)."""
 
     config_name: ClassVar[str] = "diloco"
 
     nesterov: bool
+    exchange: str
+
+    def errors(self) -> list[str]:
+        return super().errors() + one_of_error("exchange", self.exchange, EXCHANGES)
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -134,7 +181,7 @@ class DiLoCo(torch.optim.Optimizer):
             schedule drives the inner learning rate.
         args: :class:`DiLoCoArgs` (the outer loop).
         compressor: a codec for the pseudo-gradient (None: dense all-reduce in the parameters'
-            dtype).
+            dtype), exchanged as ``args.exchange`` says.
         comm: the workers' Communicator (None: the default process group, or one process).
 
     Bytes on the wire: nothing between synchronisations; at each one, the parameters' size
@@ -170,6 +217,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.outer_momentum = args.outer_momentum
         self.nesterov = args.nesterov
         self.sync_every = args.sync_every
+        self.exchange = args.exchange
         self.compressor = compressor
         self.comm = comm if comm is not None else Communicator()
         self._feedback = ErrorFeedback(compressor, args.error_feedback) if args.error_feedback is not None else None
@@ -211,15 +259,18 @@ class DiLoCo(torch.optim.Optimizer):
             local.copy_(global_)
 
     def _average_compressed(self) -> None:
-        """Replace each Delta_i (held in the parameter) by mean_i decode(D_i)."""
-        if self._feedback is not None:
-            payloads = [
-                self._feedback.compress(error, delta)
-                for error, delta in zip(self._error, self._params, strict=True)
-            ]
-        else:
-            payloads = [self.compressor.encode(delta) for delta in self._params]
-        gathered = all_gather_payloads(self.comm, payloads)
+        """Replace each Delta_i (held in the parameter) by the worker mean of C(E_i) (or of
+        C(Delta_i) without error feedback), exchanged as :attr:`exchange` says."""
+        if reduces_quantized(self.exchange, self.compressor):
+            if self._feedback is not None:
+                sources = [self._feedback.accumulate(error, delta)
+                           for error, delta in zip(self._error, self._params, strict=True)]
+            else:
+                sources = self._params
+            self.comm.all_reduce_quantized(sources, self.compressor, out=self._params,
+                                           residual=self._feedback is not None)
+            return
+        gathered = self._gather_payloads()
         for index, delta in enumerate(self._params):
             # Decode one payload at a time: Algorithm 1's plain mean over workers, whatever a
             # codec's own multi-payload decode does (DeMo-style codecs average over senders).
@@ -227,6 +278,16 @@ class DiLoCo(torch.optim.Optimizer):
             for worker_payloads in gathered:
                 delta.add_(self.compressor.decode([worker_payloads[index]]))
             delta.div_(self.comm.world_size)
+
+    def _gather_payloads(self) -> list[list[Payload]]:
+        """Encode each Delta_i (through the error-feedback accumulator, if any) and all-gather
+        the payloads: ``gathered[rank][i]``."""
+        if self._feedback is not None:
+            payloads = [self._feedback.compress(error, delta)
+                        for error, delta in zip(self._error, self._params, strict=True)]
+        else:
+            payloads = [self.compressor.encode(delta) for delta in self._params]
+        return all_gather_payloads(self.comm, payloads)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -7,15 +7,17 @@ pseudo-gradient is sparsified per chunk and quantized (the paper's Algorithm 1):
     E_i <- beta E_i + Delta_i
     D_i  = Q(TopK_chunk(E_i))                              # the payload sent (all-gather)
     E_i <- E_i - decode(D_i)
-    Delta = (1/R) sum_i decode(D_i)                        # aggregate="mean" (Algorithm 1)
+    Delta[e] = mean of decode(D_i)[e] over the workers i that sent entry e   # aggregate="senders"
     theta_global <- theta_global - alpha Delta             # outer SGD, no momentum
     theta_i <- theta_global
 
 This is :class:`lowcomm.optim.DiLoCo` with ``outer_momentum=0``, a
-:class:`lowcomm.compress.chunked_topk.ChunkedTopK` codec and an error-feedback beta; the one
-addition is ``aggregate="senders"``: each entry averaged over the workers that sent it (the
-reference implementations' ``scatter_reduce(reduce="mean", include_self=False)``), instead of
-over all R workers.
+:class:`lowcomm.compress.chunked_topk.ChunkedTopK` codec, an error-feedback beta and an
+all-gather (the kept entries differ per worker, so there is nothing to reduce in place). The one
+addition is the aggregation. ``senders`` (default) is the reference code's
+(``scatter_reduce(reduce="mean", include_self=False)``): an entry kept by one of R workers moves
+by that worker's value, not 1/R of it. ``mean`` is Algorithm 1 as printed, (1/R) sum_i
+decode(D_i), kept as an ablation.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from typing import ClassVar
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.compress.chunked_topk import BINNINGS, MAX_PACKED_CHUNK, WIRES, ChunkedTopK
+from lowcomm.compress.chunked_topk import MAX_PACKED_CHUNK, TWELVE_BIT_WIRES, WIRES, ChunkedTopK
 from lowcomm.compress.quantize import BITS
 from lowcomm.optim.args import one_of_error
-from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, InnerOptimizer, OuterArgs, all_gather_payloads
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, InnerOptimizer, OuterArgs
 
 __all__ = ["SparseLoCo", "SparseLoCoArgs"]
 
@@ -45,9 +47,9 @@ class SparseLoCoArgs(OuterArgs):
 
     chunk, topk: kept entries per ``chunk x chunk`` block of the accumulator.
     bits: values quantized to this many bits (None: the parameters' dtype).
-    wire, range_sigmas, binning: the codec's (:class:`~lowcomm.compress.chunked_topk.ChunkedTopK`).
-    aggregate: ``mean`` (the sum over workers / R) or ``senders`` (the mean over the workers
-        that sent each entry).
+    wire, range_sigmas: the codec's (:class:`~lowcomm.compress.chunked_topk.ChunkedTopK`).
+    aggregate: ``senders`` (the mean over the workers that sent each entry, the reference
+        code's) or ``mean`` (the sum over workers / R, Algorithm 1 as printed).
     """
 
     config_name: ClassVar[str] = "sparseloco"
@@ -57,7 +59,6 @@ class SparseLoCoArgs(OuterArgs):
     bits: int | None
     wire: str
     range_sigmas: float
-    binning: str
     aggregate: str
 
     def errors(self) -> list[str]:
@@ -67,19 +68,18 @@ class SparseLoCoArgs(OuterArgs):
         elif not 1 <= self.topk <= self.chunk * self.chunk:
             errors.append(f"topk must be in [1, chunk**2 = {self.chunk * self.chunk}], got {self.topk}")
         errors += one_of_error("wire", self.wire, WIRES)
-        if self.wire == "packed" and self.chunk > MAX_PACKED_CHUNK:
-            errors.append(f"wire=packed sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, "
+        if self.wire in TWELVE_BIT_WIRES and self.chunk > MAX_PACKED_CHUNK:
+            errors.append(f"wire={self.wire} sends 12-bit block indices, so chunk must be <= {MAX_PACKED_CHUNK}, "
                           f"got {self.chunk}")
         if self.bits is not None and self.bits not in BITS:
             errors.append(f"bits must be null or one of {', '.join(map(str, BITS))}, got {self.bits}")
         if not self.range_sigmas > 0:
             errors.append(f"range_sigmas must be > 0, got {self.range_sigmas}")
-        errors += one_of_error("binning", self.binning, BINNINGS)
         errors += one_of_error("aggregate", self.aggregate, AGGREGATES)
         return errors
 
     def codec(self) -> ChunkedTopK:
-        return ChunkedTopK(self.chunk, self.topk, self.bits, self.wire, self.range_sigmas, self.binning)
+        return ChunkedTopK(self.chunk, self.topk, self.bits, self.wire, self.range_sigmas)
 
 
 class SparseLoCo(DiLoCo):
@@ -99,8 +99,9 @@ class SparseLoCo(DiLoCo):
     ):
         args.check()
         # SparseLoCo's outer loop is DiLoCo's, with Nesterov momentum whenever it has momentum
+        # and its exchange is an all-gather: the kept entries differ per worker
         outer = DiLoCoArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OuterArgs)},
-                           nesterov=args.outer_momentum > 0)
+                           nesterov=args.outer_momentum > 0, exchange="all_gather")
         super().__init__(params, inner, outer, compressor=args.codec(), comm=comm)
         self.aggregate = args.aggregate
 
@@ -108,11 +109,6 @@ class SparseLoCo(DiLoCo):
         if self.aggregate == "mean":
             super()._average_compressed()
             return
-        if self._feedback is not None:
-            payloads = [self._feedback.compress(error, delta) for error, delta in zip(self._error, self._params,
-                                                                                       strict=True)]
-        else:
-            payloads = [self.compressor.encode(delta) for delta in self._params]
-        gathered = all_gather_payloads(self.comm, payloads)
+        gathered = self._gather_payloads()
         for index, delta in enumerate(self._params):
             delta.copy_(self.compressor.decode([worker[index] for worker in gathered]))

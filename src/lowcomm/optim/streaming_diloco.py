@@ -6,13 +6,20 @@ result mixed into the still-training local copy. With inner step count t (1, 2, 
 p (offset t_p = p * H // P) is **sent** after inner step t when t % H == t_p % H::
 
     Delta_p = theta_global_p - theta_p(t)          # outer gradient of fragment p, this worker
-    start the exchange of Q(Delta_p)               # all-gather of 4-bit payloads (or dense all-reduce)
+    start the exchange of Q(Delta_p)               # quantized all-reduce (or all-gather, or dense)
 
 and **received** after inner step t + tau (the workers kept training on their own data)::
 
     Delta = mean over workers of decode(Q(Delta_p))          # accumulated in float32
     b <- mu b + Delta;  theta_global_p <- theta_global_p - lr_out (Delta + mu b)   # outer Nesterov SGD
     theta_p <- alpha theta_p(t + tau) + (1 - alpha) theta_global_p                 # mixing
+
+The exchange (``exchange``) is torchft's quantized all-reduce by default
+(:meth:`lowcomm.comm.Communicator.all_reduce_quantized`, which torchft's Streaming DiLoCo uses:
+Q per chunk of each tensor, chunk j reduced in float32 on rank j and re-quantized, the reduced
+chunks all-gathered; its all-to-all runs under the tau inner steps, the rest at the receive),
+or an all-gather of every worker's Q(Delta_p), each worker taking the float32 mean of the W
+decoded payloads (``all_gather``).
 
 With P = 1, tau = 0 and alpha = 0 this is DiLoCo exactly. Bytes: each fragment's payload at the
 step it is sent, so the per-step traffic is about 1/P of DiLoCo's burst at P times its rate: the
@@ -33,8 +40,14 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Codec, Payload
-from lowcomm.optim.args import Args, raise_argument_errors
-from lowcomm.optim.diloco import InnerOptimizer, outer_direction_, payload_nbytes
+from lowcomm.optim.args import Args, one_of_error, raise_argument_errors
+from lowcomm.optim.diloco import (
+    EXCHANGES,
+    InnerOptimizer,
+    outer_direction_,
+    payload_nbytes,
+    reduces_quantized,
+)
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoArgs"]
 
@@ -47,6 +60,7 @@ class StreamingDiLoCoArgs(Args):
     overlap: tau, inner steps between a fragment's send and its receive (0: blocking).
     mixing: alpha, the share of the local copy kept when the global fragment arrives.
     outer_lr, outer_momentum, nesterov: the outer SGD.
+    exchange: how a quantized outer gradient travels: ``all_reduce`` or ``all_gather`` (module doc).
     """
 
     config_name: ClassVar[str] = "streaming_diloco"
@@ -57,9 +71,10 @@ class StreamingDiLoCoArgs(Args):
     outer_lr: float
     outer_momentum: float
     nesterov: bool
+    exchange: str
 
     def errors(self) -> list[str]:
-        errors = super().errors()
+        errors = super().errors() + one_of_error("exchange", self.exchange, EXCHANGES)
         if self.sync_every < 1:
             errors.append(f"sync_every must be >= 1, got {self.sync_every}")
         if self.overlap < 0 or (self.sync_every >= 1 and self.overlap >= self.sync_every):
@@ -92,7 +107,7 @@ class _Exchange:
     # while in flight: per wire dtype, the gathered buffers, the work and how to cut them up
     pending: list[tuple[list[torch.Tensor], Any, list[tuple[int, str, torch.Size]]]] = field(default_factory=list)
     payloads: list[Payload] = field(default_factory=list)
-    dense: list[torch.Tensor] | None = None  # uncompressed: the tensors being all-reduced
+    dense: list[torch.Tensor] | None = None  # all-reduced (dense or quantized): the tensors, in place
     works: list[Any] = field(default_factory=list)
     mean: list[torch.Tensor] | None = None  # once received: the worker mean of Delta_p
 
@@ -105,8 +120,8 @@ class StreamingDiLoCo(torch.optim.Optimizer):
             a fixed order); every worker must start from identical values.
         inner: the inner optimizer over exactly these parameters (or a factory).
         args: :class:`StreamingDiLoCoArgs`.
-        compressor: codec of the outer gradient (all-gather of payloads, mean in float32), or
-            None for a dense all-reduce in the parameters' dtype.
+        compressor: codec of the outer gradient, exchanged as ``args.exchange`` says, or None
+            for a dense all-reduce in the parameters' dtype.
         comm: the workers' Communicator.
     """
 
@@ -134,6 +149,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self.sync_every, self.overlap, self.mixing = args.sync_every, args.overlap, args.mixing
         self.outer_lr, self.outer_momentum, self.nesterov = args.outer_lr, args.outer_momentum, args.nesterov
         self.compressor = compressor
+        self.exchange = args.exchange
         self.comm = comm if comm is not None else Communicator()
         self.fragments = fragments
         self.offsets = [p * args.sync_every // len(fragments) for p in range(len(fragments))]
@@ -167,6 +183,10 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         if self.compressor is None:
             for delta in deltas:
                 exchange.works.append(self.comm.all_reduce(delta, op="avg", async_op=True))
+            exchange.dense = deltas
+        elif reduces_quantized(self.exchange, self.compressor):
+            # the mean lands in deltas themselves
+            exchange.works.append(self.comm.all_reduce_quantized(deltas, self.compressor, async_op=True))
             exchange.dense = deltas
         else:
             exchange.payloads = [self.compressor.encode(delta) for delta in deltas]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.meter import ring_all_gather_bytes, ring_all_reduce_bytes, ring_inter_node_share
+from lowcomm.comm.meter import ring_inter_node_share
 from lowcomm.config import repo_root, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.hardware import PAPER_GPUS_PER_NODE
@@ -127,13 +127,8 @@ def config_traffic_function(
 
         scoped.world_step = gpus_per_node  # its layout needs whole nodes
         return scoped
-    payload = strategy.warmup_payload_bytes(model) if warmup else strategy.analytic_payload_bytes(model)
-    formula = ring_all_gather_bytes if strategy.wire_collective() == "all_gather" else ring_all_reduce_bytes
-
     def flat(world_size: int) -> Traffic:
-        # the formulas work on integers; scale up and down to keep amortised fractions exact enough
-        tx, rx = formula(int(round(payload * 1000)), world_size)
-        return payload, tx / 1000, rx / 1000, {}
+        return (*strategy.analytic_traffic(model, world_size, warmup=warmup), {})
 
     flat.world_step = 1
     return flat

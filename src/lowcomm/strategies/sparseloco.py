@@ -44,12 +44,16 @@ class SparseLoCoStrategy(OuterLoopStrategy):
     display = Display("SparseLoCo", marker="<", color="C8")
     quickstart = (Point("SparseLoCo H=10 2-bit", "optimizer.lr=6e-3", "optimizer.sync_every=10"),)
     table1_tiny = quickstart
-    comm_table = (Row("SparseLoCo H=15 k=64/4096 2-bit"), Row("SparseLoCo H=15 8-bit (templar)", "optimizer.bits=8"))
+    comm_table = (Row("SparseLoCo H=15 k=128/4096 2-bit"),
+                  Row("SparseLoCo H=15 k=64 2-bit templar", "optimizer.topk=64", "optimizer.wire=templar"))
     mid_period = ("optimizer.sync_every=2",)
     cycle = Cycle(2, "optimizer.sync_every=2")
 
     def codec(self) -> ChunkedTopK:
         return self.cfg.codec()
+
+    def exchange(self) -> str:
+        return "all_gather"  # the kept entries differ per worker
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, SparseLoCo]:
         params = trainable_parameters(model)

@@ -17,6 +17,7 @@ import torch
 
 from lowcomm.compress.registry import build_codec
 from lowcomm.optim.args import one_of_error
+from lowcomm.optim.diloco import sync_traffic
 from lowcomm.optim.grouping import AdamWArgs, adamw
 from lowcomm.optim.streaming_diloco import (
     StreamingDiLoCo,
@@ -80,8 +81,14 @@ class StreamingDiLoCoStrategy(Strategy):
         (tau) inner steps later: its exchange runs behind tau steps of compute."""
         return min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every)
 
-    def wire_collective(self) -> str:
-        return "all_reduce" if self.cfg.quantization == "none" else "all_gather"
+    def analytic_traffic(self, model: torch.nn.Module, world_size: int, *, warmup: bool = False,  # noqa: ARG002
+                         ) -> tuple[float, float, float]:
+        """Every fragment's synchronisation once per H steps, each exchanged as configured
+        (:func:`lowcomm.optim.diloco.sync_traffic`)."""
+        dtype = next(model.parameters()).dtype
+        per_fragment = [sync_traffic(shapes, self.codec(), self.cfg.exchange, world_size, dtype)
+                        for shapes in self._fragment_shapes(model)]
+        return tuple(sum(values) / self.cfg.sync_every for values in zip(*per_fragment, strict=True))
 
     def _fragment_shapes(self, model: torch.nn.Module):
         return [[p.shape for p in fragment] for fragment in self.fragments(model)]

@@ -1,0 +1,131 @@
+"""The pieces of a quantized all-reduce that do not touch the network: how a tensor is cut into
+one chunk per rank, how a chunk's encoded payload becomes bytes and back, and what the
+collective costs. :meth:`lowcomm.comm.Communicator.all_reduce_quantized` issues it.
+
+The algorithm is torchft's ``allreduce_quantized`` (torchft/collectives.py), which MuLoCo's
+code simulates (``simulate_quantization_after_reduce``):
+
+1. every rank cuts each tensor into W chunks (contiguous row ranges; a vector's entries) and
+   encodes each chunk with the codec, its side data (a per-bin table, per-row scales) inside
+   the chunk's own payload;
+2. an all-to-all sends chunk j of every tensor to rank j;
+3. rank j decodes the W payloads of its chunks one by one, sums them in float32 in rank order
+   and divides by W, then encodes the mean again;
+4. an all-gather returns every rank's re-encoded chunks to every rank, which decodes them all
+   (its own included, so every rank holds the same values).
+
+Bytes per rank: the all-to-all sends the chunks meant for the W-1 other ranks, the all-gather
+forwards W-1 reduced chunks: about 2 (W-1)/W x the encoded tensor, like a ring all-reduce and
+unlike an all-gather of the whole payload ((W-1) x). Every chunk carries its own side data, so
+the payload grows with W by W-1 tables or (for per-row scales) not at all.
+
+A codec here is anything with ``encode(tensor) -> payload`` and ``decode([payload]) -> tensor``
+whose payload has a ``tensors`` dict sized by the chunk's shape alone (the
+:class:`lowcomm.compress.base.Codec` contract; this module does not import lowcomm.compress).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lowcomm.comm.meter import Traffic
+
+
+def chunk_bounds(shape: torch.Size | Sequence[int], world_size: int) -> list[tuple[int, int]]:
+    """W contiguous ``(start, stop)`` ranges over a tensor's rows (its first dimension; a
+    vector's entries), as even as they can be: the first ``rows % W`` take one row more. A
+    tensor with fewer rows than ranks leaves the last chunks empty."""
+    rows = shape[0] if len(shape) else 1
+    base, extra = divmod(rows, world_size)
+    bounds, start = [], 0
+    for j in range(world_size):
+        stop = start + base + (1 if j < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunk_shapes(shape: torch.Size | Sequence[int], world_size: int) -> list[torch.Size | None]:
+    """The shape of each rank's chunk of a tensor of ``shape`` (None: an empty chunk)."""
+    shape = torch.Size(shape)
+    if not len(shape):
+        shape = torch.Size([1])
+    return [torch.Size([stop - start, *shape[1:]]) if stop > start else None
+            for start, stop in chunk_bounds(shape, world_size)]
+
+
+def chunk_views(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor | None]:
+    """Views of ``tensor``'s W chunks (None for an empty one), in rank order."""
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    return [rows[start:stop] if stop > start else None for start, stop in chunk_bounds(rows.shape, world_size)]
+
+
+def payload_bytes(payload: Any) -> torch.Tensor:
+    """A payload's tensors as one flat uint8 buffer, in the order of its ``tensors`` dict."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload.tensors.values()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def payload_size(payload: Any | None) -> int:
+    if payload is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in payload.tensors.values())
+
+
+def payload_from_bytes(buffer: torch.Tensor, template: Any) -> Any:
+    """The payload whose bytes are ``buffer``, shaped as ``template`` (a payload of a chunk of
+    the same shape: another rank's tensors have the same shapes and dtypes)."""
+    payload = copy.copy(template)
+    payload.tensors, offset = {}, 0
+    for key, like in template.tensors.items():
+        size = like.numel() * like.element_size()
+        # a copy: a view of a uint8 buffer at an odd offset cannot be read as wider elements
+        payload.tensors[key] = buffer[offset:offset + size].clone().view(like.dtype).view(like.shape)
+        offset += size
+    return payload
+
+
+def quantized_all_reduce_traffic(chunk_bytes: Sequence[int], rank: int, world_size: int) -> Traffic:
+    """What ``rank`` sends and receives in a quantized all-reduce whose chunk j is
+    ``chunk_bytes[j]`` bytes encoded (the same on every rank; the re-encoded mean of a chunk
+    has the same size): the all-to-all sends its chunks j != rank and receives W-1 copies of
+    chunk ``rank``; the all-gather, padded to the largest chunk, moves W-1 of them each way.
+    Summed over ranks tx equals rx."""
+    if world_size <= 1:
+        return Traffic(0, 0, 0, 0)
+    padded = max(chunk_bytes)
+    gathered = (world_size - 1) * padded
+    tx = sum(chunk_bytes) - chunk_bytes[rank] + gathered
+    rx = (world_size - 1) * chunk_bytes[rank] + gathered
+    return Traffic(tx, rx, 2 * (world_size - 1), 2 * (world_size - 1))
+
+
+def quantized_all_reduce_bytes(total: int, largest: int, world_size: int) -> tuple[float, float, float]:
+    """(payload, tx, rx) per rank, averaged over the ranks, of a quantized all-reduce whose
+    encoded chunks sum to ``total`` bytes per rank, the largest rank's chunks to ``largest``:
+    :func:`quantized_all_reduce_traffic` summed over ranks in closed form (the all-to-all moves
+    (W-1)/W of the total, the padded all-gather W-1 largest chunks). What the comm table prints."""
+    if world_size <= 1:
+        return float(total), 0.0, 0.0
+    tx = (world_size - 1) * total / world_size + (world_size - 1) * largest
+    return float(total), tx, tx
+
+
+def encoded_sizes(codec: Any, shapes: Sequence[torch.Size], world_size: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(every chunk's encoded bytes summed, the largest rank's chunks' bytes) for tensors of
+    ``shapes`` cut into W chunks, from a chunk's two possible sizes (rank 0 always holds the
+    larger): no loop over W, so the comm table can ask at any world size."""
+    total = largest = 0
+    for shape in shapes:
+        shape = torch.Size(shape) if len(shape) else torch.Size([1])
+        base, extra = divmod(shape[0], world_size)
+        small = codec.payload_nbytes(torch.Size([base, *shape[1:]]), dtype) if base else 0
+        big = codec.payload_nbytes(torch.Size([base + 1, *shape[1:]]), dtype) if extra else small
+        total += extra * big + (world_size - extra) * small
+        largest += big
+    return total, largest
