@@ -9,8 +9,12 @@ meter's tx bytes and messages beside the kernel's bytes. Two probes fix the wire
 - per byte: a 1 MB all-gather (few messages, so the bytes dominate);
 - per message: many 16-byte all-gathers (the bytes are negligible, the messages dominate);
 
-and the optimizers' kernel bytes are then predicted from their metered tx and messages alone:
-kernel ~ tx x (1 + overhead per byte) + messages x overhead per message.
+and the other windows' kernel bytes are then predicted from their metered tx and messages alone:
+kernel ~ tx x (1 + overhead per byte) + messages x overhead per message. The other windows: a
+1 MB ring all-reduce, the quantized all-reduce of a 2-bit tensor with about 1 MB of codes
+(an all-to-all and an all-gather: about 2 (W-1)/W of its payload), and a few steps each of
+AdamW-DDP, DeMo and MuLoCo-style DiLoCo (2-bit quantized pseudo-gradient, error feedback, the
+quantized all-reduce at every step).
 
     sudo .venv/bin/python benchmarks/wire_check.py               # makes, uses and deletes a namespace
     sudo .venv/bin/python benchmarks/wire_check.py --steps 40 --json out.json
@@ -90,11 +94,18 @@ def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - 
     large = torch.zeros(LARGE_BYTES // 4)
     window("all_gather 1 MB", comm, lambda: [comm.all_gather(large) for _ in range(REPEATS)])
     window("all_reduce 1 MB", comm, lambda: [comm.all_reduce(large) for _ in range(REPEATS)])
+    from lowcomm.compress.quantize import Quantize
+
+    codes = torch.randn(4 * LARGE_BYTES, generator=torch.Generator().manual_seed(rank)).view(1000, -1)
+    window("all_reduce_quantized 1 MB", comm,
+           lambda: [comm.all_reduce_quantized([codes.clone()], Quantize(bits=2)) for _ in range(REPEATS)])
     small = torch.zeros(4)
     window("all_gather 16 B", comm, lambda: [comm.all_gather(small) for _ in range(SMALL_GATHERS)])
 
-    for name in ("adamw_ddp", "demo"):
-        raw = OmegaConf.to_container(compose([f"optimizer={name}"]), resolve=True)
+    for label, name, overrides in (("adamw_ddp", "adamw_ddp", []), ("demo", "demo", []),
+                                   ("diloco 2-bit", "diloco", ["compression=quantize", "optimizer.error_feedback=0.9",
+                                                               "optimizer.sync_every=1"])):
+        raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
         strategy_cls, cfg = validate_optimizer(raw)
         comm = Communicator()
         strategy = strategy_cls(cfg, raw["compression"], comm)
@@ -109,7 +120,7 @@ def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - 
             optimizer.zero_grad(set_to_none=True)
 
         step()  # outside the window: DDP's one-time bucket-order broadcast happens here
-        window(f"{name} x {steps} steps", comm, lambda step=step: [step() for _ in range(steps)])
+        window(f"{label} x {steps} steps", comm, lambda step=step: [step() for _ in range(steps)])
     return windows
 
 

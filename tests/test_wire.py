@@ -2,22 +2,27 @@
 byte they exchange crosses that namespace's loopback and its counters are the ground truth.
 
 benchmarks/wire_check.py does the measuring (``--inside``, run here under ``ip netns exec``):
-bare collectives, then a few steps of AdamW-DDP and of DeMo on the tiny model, each window's
-loopback byte count beside the meter's tx and messages summed over ranks.
+bare collectives, then a few steps of AdamW-DDP, of DeMo and of DiLoCo with a 2-bit quantized
+pseudo-gradient (the quantized all-reduce) on the tiny model, each window's loopback byte count
+beside the meter's tx and messages summed over ranks.
 
 Measured on the 2-core CI machine (10 steps each, sums over 4 ranks):
 
     window               metered tx MB  messages  kernel MB
     all_gather 1 MB x3         36.000        36     36.094
     all_reduce 1 MB x3         18.000        72     18.066
+    all_reduce_quantized x3    18.001        72     18.061   (2-bit, 1 MB of codes; 2026-11-24)
     all_gather 16 B x300        0.058      3600      2.546
     adamw_ddp x 10 steps       18.678       240     18.892   (predicted 18.882)
     demo x 10 steps             1.751      2160      3.268   (predicted 3.250)
+    diloco 2-bit x 5 steps      1.185       120      1.254   (predicted 1.279; 2026-11-24)
 
     overhead per byte 0.18 %, per message 690 bytes (TCP/IP headers and acknowledgements,
     about 7.7 loopback packets per gloo message, and gloo's own framing)
 
-So the bytes of a large collective are the meter's within 0.5 %, and DeMo's step, two
+So the bytes of a large collective are the meter's within 0.5 % (the quantized all-reduce of a
+1 MB 2-bit payload moves 1.5 MB per rank, as a ring all-reduce would, where an all-gather of it
+moves 3 MB), and DeMo's step, two
 all-gathers per parameter, costs 1.87x its metered bytes through per-message overhead alone.
 The bounds below are stated around those measurements with room for a busier machine.
 """
@@ -90,8 +95,15 @@ def test_metered_tx_and_messages_account_for_the_kernels_bytes(wire):
     reduced = (windows["all_reduce 1 MB"]["kernel_bytes"] - barrier) / calls
     assert 3.0e6 <= gathered <= 3.0e6 * 1.02, gathered  # a ring all-gather: every rank sends (W-1) MB
     assert 1.5e6 <= reduced <= 1.5e6 * 1.02, reduced
+    # the quantized all-reduce: the kernel carries what the meter says (all-to-all + all-gather,
+    # about 2 (W-1)/W of the 2-bit payload), not an all-gather's (W-1) x
+    quantized = windows["all_reduce_quantized 1 MB"]
+    assert quantized["tx"] <= quantized["kernel_bytes"] - barrier <= quantized["tx"] * 1.02 + quantized["messages"] * 1500
+    # per rank and call: four chunks of 250,000 bytes of codes and a 16-byte table; three go out
+    # in the all-to-all, three reduced ones are forwarded in the all-gather: 1,500,096 bytes
+    assert quantized["tx"] / calls == 1_500_096
 
-    for name in (f"adamw_ddp x {STEPS} steps", f"demo x {STEPS} steps"):
+    for name in (f"adamw_ddp x {STEPS} steps", f"demo x {STEPS} steps", f"diloco 2-bit x {STEPS} steps"):
         window = windows[name]
         # the meter never claims more than the kernel carried...
         assert window["tx"] <= window["kernel_bytes"] - barrier, name
