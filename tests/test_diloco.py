@@ -341,3 +341,26 @@ def test_strategy_builds_diloco_and_reports_amortised_bytes():
     assert compressed.analytic_payload_bytes(model) == pytest.approx(kept * 8 / 10)
     with pytest.raises(ValueError, match="error_feedback"):
         DiLoCoStrategy(DiLoCoConfig.defaults(error_feedback=0.7), {"name": "none"}, Communicator()).build(model)
+
+
+@pytest.mark.parametrize("name", ["diloco", "muloco", "streaming_diloco", "sparseloco"])
+def test_a_run_config_saved_before_the_quantized_all_reduce_loads_as_it_trained(tmp_path, name):
+    """A config.yaml written before ``optimizer.exchange`` existed (and SparseLoCo's ``wire: paper``
+    / ``binning`` became ``reference`` / one quantizer) validates, with the all-gather those runs did."""
+    from lowcomm.config import load_run_config, validate_optimizer
+    from lowcomm.config.compose import compose
+
+    codec = ["compression=quantize"] if name == "muloco" else []
+    raw = OmegaConf.to_container(compose([f"optimizer={name}", *codec]), resolve=True)
+    if name == "sparseloco":
+        raw["optimizer"].update(wire="paper", binning="reference")
+    else:
+        del raw["optimizer"]["exchange"]
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(OmegaConf.create(raw), path)
+    upgraded = OmegaConf.to_container(load_run_config(path), resolve=True)
+    _, cfg = validate_optimizer(upgraded)
+    if name == "sparseloco":
+        assert cfg.wire == "reference" and "binning" not in upgraded["optimizer"]
+    else:
+        assert cfg.exchange == "all_gather"

@@ -6,7 +6,7 @@ bare collectives, then a few steps of AdamW-DDP, of DeMo and of DiLoCo with a 2-
 pseudo-gradient (the quantized all-reduce) on the tiny model, each window's loopback byte count
 beside the meter's tx and messages summed over ranks.
 
-Measured on the 2-core CI machine (10 steps each, sums over 4 ranks):
+Measured on the 2-core CI machine (10 optimizer steps each unless said, sums over 4 ranks):
 
     window               metered tx MB  messages  kernel MB
     all_gather 1 MB x3         36.000        36     36.094

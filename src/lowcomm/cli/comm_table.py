@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(table, args.world_size))
     if rows is None:
         print("\nMB = 1e6 bytes per worker and step. payload: what one worker contributes (the paper's Tx MB/step); "
-              "tx / rx: what it sends / receives\nunder the ring that runs (all-reduce 2(W-1)/W x payload, all-gather "
-              "(W-1) x payload); inter-node tx: the part of tx that crosses between nodes\n"
-              f"({args.gpus_per_node} ranks per node; a world ring leaves each node once: nodes / W of tx). crossover W: the smallest world size at which\nthe row's tx per worker exceeds "
-              "AdamW-DDP's (bf16); 'none': not up to 2^20 (both all-reduce, a ratio independent of W).\n"
+              "tx / rx: what it sends / receives\nunder the algorithm that runs (all-reduce 2(W-1)/W x payload; the "
+              "quantized all-reduce about the same, an all-to-all then an all-gather; all-gather (W-1) x payload);\n"
+              f"inter-node tx: the part of tx that crosses between nodes ({args.gpus_per_node} ranks per node; a world "
+              "ring leaves each node once: nodes / W of ring tx;\nan all-to-all sends (W - ranks per node) / (W-1) of "
+              "its bytes to other nodes). crossover W: the smallest world size at which\nthe row's tx per worker "
+              "exceeds AdamW-DDP's (bf16); 'none': not up to 2^20 (an all-reduce against an all-reduce).\n"
               "'truncated': lowcomm's value cut to the paper's printed decimals equals the paper's (the paper "
               "truncates).\nThe paper's DeMo column is 12 bytes per kept coefficient (int64 index + fp32 value). "
               "Its AdamW-DDP rows are close to 2 bytes per parameter\n(bf16 gradients: 639.9 and 2353.5 MB) but not "

@@ -263,6 +263,13 @@ class Communicator:
         out = list(tensors) if out is None else list(out)
         if len(out) != len(tensors):
             raise ValueError(f"all_reduce_quantized: {len(tensors)} inputs but {len(out)} outputs")
+        for index, (source, target) in enumerate(zip(tensors, out, strict=True)):
+            if source.shape != target.shape:
+                raise ValueError(f"all_reduce_quantized: input {index} has shape {tuple(source.shape)} but its "
+                                 f"output {tuple(target.shape)}")
+            if residual and source is target:
+                raise ValueError("all_reduce_quantized: residual=True leaves the residual in the inputs, so the "
+                                 "outputs must be other tensors")
         group = self._route("all_reduce_quantized", "data", *tensors, *out)
         world = self.world_size
         # phase 1, locally: encode every chunk; sent[t][j] is tensor t's chunk j (None: empty)
@@ -388,10 +395,12 @@ class _QuantizedExchange:
             total = None
             for sender in range(world):
                 piece = payload_from_bytes(self.received[sender * size + offsets[rank]:], template)
-                decoded = self.codec.decode([piece]).to(accumulate)
+                piece.meta = {**template.meta, "dtype": accumulate}  # decoded straight to the sum's precision
+                decoded = self.codec.decode([piece])
                 total = decoded if total is None else total.add_(decoded)
-            mean = total.div_(world).to(template.meta["dtype"]).view(template.meta["shape"])
-            reduced.append(self.codec.encode(mean))
+            encoded = self.codec.encode(total.div_(world).view(template.meta["shape"]))
+            encoded.meta = template.meta  # decoded to the tensor's dtype, like every other rank's chunk
+            reduced.append(encoded)
         return reduced
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as dist.Work

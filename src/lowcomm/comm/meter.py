@@ -113,6 +113,32 @@ TRAFFIC = {
 }
 
 
+class WireBytes(NamedTuple):
+    """What a strategy's traffic costs one rank per step, averaged over ranks, from shapes (the
+    comm table's figures): ``payload`` (what it contributes), ``tx`` / ``rx``, and ``direct``,
+    the part of ``tx`` sent straight to its destination rank (an all-to-all) rather than hop by
+    hop round a ring: the two cross between nodes in different shares
+    (:func:`ring_inter_node_share`, :func:`direct_inter_node_share`)."""
+
+    payload: float
+    tx: float
+    rx: float
+    direct: float = 0.0
+
+    def inter_node_tx(self, world_size: int, ranks_per_node: int) -> float:
+        """The part of ``tx`` that crosses between nodes, ranks placed node by node."""
+        ring = (self.tx - self.direct) * ring_inter_node_share(world_size, ranks_per_node)
+        return ring + self.direct * direct_inter_node_share(world_size, ranks_per_node)
+
+
+def direct_inter_node_share(world_size: int, ranks_per_node: int) -> float:
+    """Share of an all-to-all's bytes that cross between nodes, every rank sending the same to
+    each of the W-1 others: the W - g ranks on other nodes of the W-1 (0 on one node)."""
+    if world_size <= 1 or ranks_per_node >= world_size:
+        return 0.0
+    return (world_size - ranks_per_node) / (world_size - 1)
+
+
 def ring_inter_node_share(world_size: int, ranks_per_node: int) -> float:
     """Share of a world ring's hops that cross between nodes, ranks placed node by node (rank
     r on node r // ranks_per_node): one hop out of each node, so nodes / W (0 on one node).

@@ -9,15 +9,24 @@ code simulates (``simulate_quantization_after_reduce``):
    encodes each chunk with the codec, its side data (a per-bin table, per-row scales) inside
    the chunk's own payload;
 2. an all-to-all sends chunk j of every tensor to rank j;
-3. rank j decodes the W payloads of its chunks one by one, sums them in float32 in rank order
-   and divides by W, then encodes the mean again;
+3. rank j decodes the W payloads of its chunks one by one, sums them in float32 (float64 for a
+   float64 tensor) in rank order and divides by W, then encodes the mean again;
 4. an all-gather returns every rank's re-encoded chunks to every rank, which decodes them all
    (its own included, so every rank holds the same values).
 
 Bytes per rank: the all-to-all sends the chunks meant for the W-1 other ranks, the all-gather
 forwards W-1 reduced chunks: about 2 (W-1)/W x the encoded tensor, like a ring all-reduce and
 unlike an all-gather of the whole payload ((W-1) x). Every chunk carries its own side data, so
-the payload grows with W by W-1 tables or (for per-row scales) not at all.
+the payload grows with W: by W-1 tables per tensor for the statistical quantizer; for per-row
+scales only where a chunk splits what was one scale's range (a vector: W scales, not one).
+
+Each chunk is quantized with its own statistics: what an implementation that sends rank j
+only chunk j must do. MuLoCo's code, which simulates this exchange
+(``simulate_quantization_after_reduce``), quantizes whole tensors both times, with one set of
+statistics per tensor; lowcomm's per-chunk statistics are finer (a smaller error at large W).
+
+The sum is taken in float32 (or the tensor's dtype if wider): each received chunk is decoded
+straight to that precision, so a bf16 tensor's table values are not rounded to bf16 first.
 
 A codec here is anything with ``encode(tensor) -> payload`` and ``decode([payload]) -> tensor``
 whose payload has a ``tensors`` dict sized by the chunk's shape alone (the
@@ -32,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lowcomm.comm.meter import Traffic
+from lowcomm.comm.meter import Traffic, WireBytes
 
 
 def chunk_bounds(shape: torch.Size | Sequence[int], world_size: int) -> list[tuple[int, int]]:
@@ -104,15 +113,17 @@ def quantized_all_reduce_traffic(chunk_bytes: Sequence[int], rank: int, world_si
     return Traffic(tx, rx, 2 * (world_size - 1), 2 * (world_size - 1))
 
 
-def quantized_all_reduce_bytes(total: int, largest: int, world_size: int) -> tuple[float, float, float]:
-    """(payload, tx, rx) per rank, averaged over the ranks, of a quantized all-reduce whose
+def quantized_all_reduce_bytes(total: int, largest: int, world_size: int) -> WireBytes:
+    """Payload, tx and rx per rank, averaged over the ranks, of a quantized all-reduce whose
     encoded chunks sum to ``total`` bytes per rank, the largest rank's chunks to ``largest``:
-    :func:`quantized_all_reduce_traffic` summed over ranks in closed form (the all-to-all moves
-    (W-1)/W of the total, the padded all-gather W-1 largest chunks). What the comm table prints."""
+    :func:`quantized_all_reduce_traffic` summed over ranks in closed form. The all-to-all moves
+    (W-1)/W of the total straight to its ranks (``direct``), the padded ring all-gather W-1
+    largest chunks. What the comm table prints."""
     if world_size <= 1:
-        return float(total), 0.0, 0.0
-    tx = (world_size - 1) * total / world_size + (world_size - 1) * largest
-    return float(total), tx, tx
+        return WireBytes(float(total), 0.0, 0.0)
+    direct = (world_size - 1) * total / world_size
+    tx = direct + (world_size - 1) * largest
+    return WireBytes(float(total), tx, tx, direct)
 
 
 def encoded_sizes(codec: Any, shapes: Sequence[torch.Size], world_size: int,

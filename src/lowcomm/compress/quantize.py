@@ -1,6 +1,8 @@
 """b-bit quantisation (b in 2, 4, 8) with the codes bit-packed into bytes.
 
-Two per-tensor schemes, as in MuLoCo (Thérien et al. 2025):
+Two schemes, as in MuLoCo (Thérien et al. 2025), each with statistics over the tensor it is
+given: a whole tensor, or one rank's chunk of it in the quantized all-reduce
+(:mod:`lowcomm.comm.quantized`, the default exchange of DiLoCo and MuLoCo):
 
 ``statistical``
     The reference code's quantizer (facebookresearch/MuLoCo, ``QuantizationCompressor._quantize``
@@ -81,7 +83,7 @@ def statistical_codes(values: torch.Tensor, bits: int, range_sigmas: float) -> t
 
 @register_codec("quantize")
 class Quantize:
-    """Per-tensor ``bits``-bit quantisation, ``method`` ``statistical`` or ``linear``.
+    """``bits``-bit quantisation of the tensor it is given, ``method`` ``statistical`` or ``linear``.
 
     ``decode`` of several payloads returns the mean of their dequantised tensors.
     """

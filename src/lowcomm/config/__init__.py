@@ -19,7 +19,15 @@ The names below are the package's interface; import them from ``lowcomm.config``
 from __future__ import annotations
 
 from lowcomm.config.cluster import slurm_profile
-from lowcomm.config.schema import ClusterSpec, ConfigError, DataSpec, RunConfig, TrainSpec, WandbSpec
+from lowcomm.config.schema import (
+    ClusterSpec,
+    ConfigError,
+    DataSpec,
+    RunConfig,
+    TrainSpec,
+    WandbSpec,
+    load_run_config,
+)
 from lowcomm.config.validation import validate, validate_optimizer
 from lowcomm.paths import config_dir, repo_root
 
@@ -31,6 +39,7 @@ __all__ = [
     "TrainSpec",
     "WandbSpec",
     "config_dir",
+    "load_run_config",
     "repo_root",
     "slurm_profile",
     "validate",

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
 
@@ -147,3 +149,29 @@ class RunConfig:
 # few scalars. Anything else (a typo such as `+optimzer=demo`) is an error, never silently kept.
 SECTIONS = ("model", "optimizer", "compression", "data", "train", "cluster", "wandb")
 TOP_LEVEL_KEYS = (*SECTIONS, "experiment", "experiment_name", "run_root", "run_name", "label", "seed")
+
+
+def load_run_config(path: str | Path) -> DictConfig:
+    """A run directory's ``config.yaml``, upgraded to the current keys where an earlier lowcomm
+    wrote it: a key added since is set to what such a run did, a renamed value gets its new name,
+    so reports read old runs and an old run resumes as it trained. (Only saved run configs go
+    through this; a config composed now always has every key.)
+
+    - ``optimizer.exchange`` (DiLoCo, MuLoCo, Streaming DiLoCo; added with the quantized
+      all-reduce): ``all_gather``, the only exchange before it.
+    - SparseLoCo's ``wire: paper`` is now ``reference``; its ``binning: reference`` was the only
+      quantizer kept and the key is gone (``symmetric`` has no equivalent now and is reported).
+    """
+    cfg = OmegaConf.load(path)
+    optimizer = cfg.get("optimizer")
+    if optimizer is None:
+        return cfg
+    name = optimizer.get("name")
+    if name in ("diloco", "muloco", "streaming_diloco") and "exchange" not in optimizer:
+        optimizer["exchange"] = "all_gather"
+    if name == "sparseloco":
+        if optimizer.get("wire") == "paper":
+            optimizer["wire"] = "reference"
+        if optimizer.get("binning") == "reference":
+            del optimizer["binning"]
+    return cfg

@@ -23,10 +23,11 @@ The exchange of compressed payloads (``exchange``):
 
 - ``all_reduce`` (default) for a quantizer (a codec that encodes every entry, ``reducible``):
   the quantized all-reduce (:meth:`lowcomm.comm.Communicator.all_reduce_quantized`), torchft's
-  ``allreduce_quantized``, which MuLoCo's code simulates (``simulate_quantization_after_reduce``):
-  C is applied per chunk of each tensor (W chunks, each with its own statistics), rank j
-  reduces chunk j in float32 and re-quantizes it, and Delta is the decoded re-quantized mean,
-  the same on every worker. About 2 (W-1)/W x the payload per worker, like a ring all-reduce.
+  ``allreduce_quantized``: C is applied per chunk of each tensor (W chunks, each with its own
+  statistics), rank j reduces chunk j in float32 and re-quantizes it, and Delta is the decoded
+  re-quantized mean, the same on every worker. MuLoCo's code simulates this exchange
+  (``simulate_quantization_after_reduce``) with whole-tensor statistics both times; per-chunk
+  statistics are what an implementation that sends rank j only chunk j has. About 2 (W-1)/W x the payload per worker, like a ring all-reduce.
   The re-quantization of the mean is not fed back: E_i sees only the worker's own C (MuLoCo's
   ``_save_grads`` subtracts the local reconstruction only). A sparsifier (top-k, DCT top-k)
   all-gathers whatever ``exchange`` says: its supports differ per worker (MuLoCo's code turns
@@ -48,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.meter import ring_all_gather_bytes, ring_all_reduce_bytes
+from lowcomm.comm.meter import WireBytes, ring_all_gather_bytes, ring_all_reduce_bytes
 from lowcomm.comm.quantized import encoded_sizes, quantized_all_reduce_bytes
 from lowcomm.compress.base import Codec, Payload
 from lowcomm.compress.error_feedback import ErrorFeedback
@@ -102,17 +103,18 @@ def reduces_quantized(exchange: str, compressor: Codec | None) -> bool:
 def sync_traffic(
     shapes: Iterable[torch.Size | tuple[int, ...]], compressor: Codec | None, exchange: str, world_size: int,
     dtype: torch.dtype = torch.float32,
-) -> tuple[float, float, float]:
-    """(payload, tx, rx) bytes one worker's synchronisation of tensors of ``shapes`` costs at
-    world size W, averaged over the workers: a dense ring all-reduce, the quantized all-reduce
-    (its payload is W chunks per tensor, each with its own side data) or an all-gather."""
+) -> WireBytes:
+    """The bytes one worker's synchronisation of tensors of ``shapes`` costs at world size W,
+    averaged over the workers: a dense ring all-reduce, the quantized all-reduce (its payload is
+    W chunks per tensor, each with its own side data; its all-to-all half is ``direct``) or an
+    all-gather."""
     shapes = [torch.Size(shape) for shape in shapes]
     if reduces_quantized(exchange, compressor):
         return quantized_all_reduce_bytes(*encoded_sizes(compressor, shapes, world_size, dtype), world_size)
     payload = sum(payload_nbytes(compressor, shape, dtype) for shape in shapes)
     formula = ring_all_reduce_bytes if compressor is None else ring_all_gather_bytes
     tx, rx = formula(payload, world_size)
-    return float(payload), float(tx), float(rx)
+    return WireBytes(float(payload), float(tx), float(rx))
 
 
 def outer_direction_(direction: torch.Tensor, momentum: torch.Tensor | None, beta: float, nesterov: bool) -> None:
@@ -186,7 +188,9 @@ class DiLoCo(torch.optim.Optimizer):
 
     Bytes on the wire: nothing between synchronisations; at each one, the parameters' size
     (dense) or the sum of the payloads (compressed). ``amortized_payload_bytes`` gives the
-    per-step average.
+    per-step average of whole-tensor payloads (what the all-gather sends); the quantized
+    all-reduce encodes W chunks per tensor, each with its own side data, whose bytes at W are
+    :func:`sync_traffic`'s.
     """
 
     def __init__(

@@ -3,11 +3,13 @@ computed from parameter shapes on the meta device (nothing is allocated or train
 tx/rx per worker for a given world size, the paper's Tx MB/step beside DeMo's and AdamW's, and
 the crossover: the smallest world size at which a row's tx per worker exceeds AdamW-DDP's.
 
-Payload is what one worker contributes (the paper's convention, independent of W); tx is what
-it actually sends under the ring algorithm that runs. An all-reduce sends 2(W-1)/W x payload
-(bounded by 2x), an all-gather (W-1) x payload (growing with W): so a compressed optimizer that
-all-gathers (DeMo, compressed DiLoCo and MuLoCo, FlexDeMo across nodes) pays more than AdamW-DDP
-once W > 2 x AdamW's payload / its own, however small its payload looks.
+Payload is what one worker contributes (the paper's convention; independent of W except for
+the quantized all-reduce, whose W chunks per tensor each carry their own side data); tx is what
+it actually sends under the algorithm that runs. An all-reduce sends 2(W-1)/W x payload
+(bounded by 2x), the quantized all-reduce about the same (an all-to-all, then an all-gather of
+the reduced chunks), an all-gather (W-1) x payload (growing with W): so a compressed optimizer
+that all-gathers (DeMo, SparseLoCo, top-k DiLoCo, FlexDeMo across nodes) pays more than
+AdamW-DDP once W > 2 x AdamW's payload / its own, however small its payload looks.
 
 The command is ``lowcomm-comm-table`` (:mod:`lowcomm.cli.comm_table`).
 """
@@ -18,6 +20,7 @@ import csv
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from omegaconf import OmegaConf
 
@@ -98,8 +101,15 @@ def _compose_groups(overrides: list[str]) -> dict:
     return OmegaConf.to_container(compose(overrides), resolve=True)
 
 
-# (payload, tx, rx) bytes per worker and step at a world size, and the same per link (scope)
-Traffic = tuple[float, float, float, dict[str, tuple[float, float, float]]]
+class Traffic(NamedTuple):
+    """Bytes per worker and step at a world size: payload, tx, rx, the same per link for a
+    strategy laid out by node (``scopes``), and the part of tx that crosses between nodes."""
+
+    payload: float
+    tx: float
+    rx: float
+    scopes: dict[str, tuple[float, float, float]]
+    inter_tx: float
 
 
 def traffic_function(
@@ -123,12 +133,13 @@ def config_traffic_function(
         def scoped(world_size: int) -> Traffic:
             scopes = strategy.analytic_scope_bytes(model, world_size, gpus_per_node)
             payload, tx, rx = (sum(values[i] for values in scopes.values()) for i in range(3))
-            return payload, tx, rx, scopes
+            return Traffic(payload, tx, rx, scopes, scopes["inter"][1] if "inter" in scopes else 0.0)
 
         scoped.world_step = gpus_per_node  # its layout needs whole nodes
         return scoped
     def flat(world_size: int) -> Traffic:
-        return (*strategy.analytic_traffic(model, world_size, warmup=warmup), {})
+        wire = strategy.analytic_traffic(model, world_size, warmup=warmup)
+        return Traffic(wire.payload, wire.tx, wire.rx, {}, wire.inter_node_tx(world_size, gpus_per_node))
 
     flat.world_step = 1
     return flat
@@ -187,9 +198,8 @@ def build_table(
             + [(label, ov, None, warmup) for label, ov, warmup in PEER_ROWS])
         for label, overrides, paper_mb, warmup in specs:
             traffic = traffic_function(model_name, overrides, meta_model, gpus_per_node, warmup=warmup)
-            payload, tx, rx, scopes = traffic(world_size)
+            payload, tx, rx, scopes, inter_tx = traffic(world_size)
             crossover = 0 if label == BASELINE_LABEL and not custom else crossover_world_size(traffic, baseline)
-            inter_tx = scopes["inter"][1] if "inter" in scopes else tx * ring_inter_node_share(world_size, gpus_per_node)
             table.append(Row(model_name, label, payload / 1e6, tx / 1e6, rx / 1e6, paper_mb, crossover,
                              inter_tx / 1e6))
             for scope, (scope_payload, scope_tx, scope_rx) in scopes.items():
@@ -204,8 +214,8 @@ def build_table(
 def _link(traffic: Callable[[int], Traffic], scope: str) -> Callable[[int], Traffic]:
     """One link's bytes of a strategy that reports them per link, as a Traffic function."""
     def link(world_size: int) -> Traffic:
-        payload, tx, rx = traffic(world_size)[3][scope]
-        return payload, tx, rx, {}
+        payload, tx, rx = traffic(world_size).scopes[scope]
+        return Traffic(payload, tx, rx, {}, 0.0)
 
     link.world_step = getattr(traffic, "world_step", 1)
     return link
@@ -215,9 +225,9 @@ def _inter_node_part(traffic: Callable[[int], Traffic], gpus_per_node: int) -> C
     """A world collective's bytes that cross between nodes, per worker on average: its ring
     leaves each node once, so nodes / W of its hops are inter-node."""
     def inter(world_size: int) -> Traffic:
-        payload, tx, rx, _ = traffic(world_size)
+        payload, tx, rx, _, _ = traffic(world_size)
         share = ring_inter_node_share(world_size, gpus_per_node)
-        return payload, tx * share, rx * share, {}
+        return Traffic(payload, tx * share, rx * share, {}, tx * share)
 
     return inter
 

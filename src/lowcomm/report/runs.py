@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from lowcomm.config import load_run_config
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
 
@@ -172,7 +173,7 @@ def load_run(path: str | Path) -> RunRecord:
         raise FileNotFoundError(f"{run_dir.config} is missing: {path} is not a lowcomm run directory")
     return RunRecord(
         path=path,
-        config=OmegaConf.to_container(OmegaConf.load(run_dir.config), resolve=True),
+        config=OmegaConf.to_container(load_run_config(run_dir.config), resolve=True),
         metrics=run_dir.read_metrics(),
         summary=run_dir.read_summary(),
         evals=run_dir.read_evals(),

@@ -14,7 +14,8 @@ metered traffic into time on a link, with one stated model:
   (W-1) x payload in W-1; comm/meter.py). The ring's hops are sequential, so each message pays
   the link's latency once: DeMo's per-bucket all-gathers make it latency-bound over a WAN long
   before it is bandwidth-bound, and its one-bucket exchange (``optimizer.bucket_numel``) cuts the
-  messages, not the bytes.
+  messages, not the bytes. (The quantized all-reduce's all-to-all sends its W-1 messages at
+  once, not hop by hop, so the model charges it W-2 latencies too many: an upper bound.)
 - ``bandwidth`` is per rank and direction (each node has its own uplink); the traffic of a
   hierarchical strategy's ``intra`` scope (FlexDeMo's sharding group, inside a node) crosses an
   intra-node link instead.

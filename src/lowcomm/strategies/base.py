@@ -48,10 +48,10 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.meter import TRAFFIC
+from lowcomm.comm.meter import TRAFFIC, WireBytes
 from lowcomm.compress import Codec
 from lowcomm.optim.args import Args, as_config_errors
-from lowcomm.optim.diloco import DiLoCo, sync_traffic
+from lowcomm.optim.diloco import DiLoCo, reduces_quantized, sync_traffic
 from lowcomm.optim.grouping import adamw
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -256,16 +256,16 @@ class Strategy:
         return "all_reduce"
 
     def analytic_traffic(self, model: torch.nn.Module, world_size: int, *, warmup: bool = False,
-                         ) -> tuple[float, float, float]:
-        """(payload, tx, rx) bytes per worker and step at world size W, averaged over workers, from
-        shapes alone (``warmup``: before the compression starts). Default: the payload of
+                         ) -> WireBytes:
+        """Payload, tx and rx bytes per worker and step at world size W, averaged over workers,
+        from shapes alone (``warmup``: before the compression starts). Default: the payload of
         :meth:`analytic_payload_bytes` through the ring formula of :meth:`wire_collective`; a
         strategy whose payload depends on W (the quantized all-reduce's per-chunk side data)
         overrides it."""
         payload = self.warmup_payload_bytes(model) if warmup else self.analytic_payload_bytes(model)
         # the formulas work on integers; scale up and down to keep amortised fractions exact enough
         tx, rx = TRAFFIC[self.wire_collective()](int(round(payload * 1000)), world_size)[:2]
-        return payload, tx / 1000, rx / 1000
+        return WireBytes(payload, tx / 1000, rx / 1000)
 
     @classmethod
     def comm_overlap(cls, cfg: StrategyConfig, parameters: int) -> float:  # noqa: ARG003
@@ -312,13 +312,19 @@ class OuterLoopStrategy(Strategy):
         :class:`lowcomm.optim.DiLoCo`)."""
         return self.cfg.exchange
 
+    def wire_collective(self) -> str:
+        codec = self.codec()
+        if codec is None:
+            return "all_reduce"
+        return "all_reduce_quantized" if reduces_quantized(self.exchange(), codec) else "all_gather"
+
     def analytic_traffic(self, model: torch.nn.Module, world_size: int, *, warmup: bool = False,  # noqa: ARG002
-                         ) -> tuple[float, float, float]:
+                         ) -> WireBytes:
         """One synchronisation's traffic at W (:func:`lowcomm.optim.diloco.sync_traffic`: dense
         all-reduce, quantized all-reduce or all-gather), amortised over H steps."""
         params = trainable_parameters(model)
         per_sync = sync_traffic([p.shape for p in params], self.codec(), self.exchange(), world_size, params[0].dtype)
-        return tuple(value / self.cfg.sync_every for value in per_sync)
+        return WireBytes(*(value / self.cfg.sync_every for value in per_sync))
 
     def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
         """Replicated: the global parameters and the outer momentum. Per rank: the worker's own

@@ -15,9 +15,10 @@ from typing import ClassVar
 
 import torch
 
+from lowcomm.comm.meter import WireBytes
 from lowcomm.compress.registry import build_codec
 from lowcomm.optim.args import one_of_error
-from lowcomm.optim.diloco import sync_traffic
+from lowcomm.optim.diloco import reduces_quantized, sync_traffic
 from lowcomm.optim.grouping import AdamWArgs, adamw
 from lowcomm.optim.streaming_diloco import (
     StreamingDiLoCo,
@@ -78,17 +79,21 @@ class StreamingDiLoCoStrategy(Strategy):
     @classmethod
     def comm_overlap(cls, cfg: StreamingDiLoCoConfig, parameters: int) -> float:  # noqa: ARG003
         """A fragment is sent every sync_every / num_fragments steps and merged ``overlap``
-        (tau) inner steps later: its exchange runs behind tau steps of compute."""
-        return min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every)
+        (tau) inner steps later: its exchange runs behind tau steps of compute. Under the
+        quantized all-reduce only the all-to-all, about half of its bytes, is in flight then;
+        the all-gather of the reduced chunks runs at the receive step, in the open."""
+        hidden = min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every)
+        quantized = reduces_quantized(cfg.exchange, build_codec({"name": cfg.quantization}))
+        return hidden / 2 if quantized else hidden
 
     def analytic_traffic(self, model: torch.nn.Module, world_size: int, *, warmup: bool = False,  # noqa: ARG002
-                         ) -> tuple[float, float, float]:
+                         ) -> WireBytes:
         """Every fragment's synchronisation once per H steps, each exchanged as configured
         (:func:`lowcomm.optim.diloco.sync_traffic`)."""
         dtype = next(model.parameters()).dtype
         per_fragment = [sync_traffic(shapes, self.codec(), self.cfg.exchange, world_size, dtype)
                         for shapes in self._fragment_shapes(model)]
-        return tuple(sum(values) / self.cfg.sync_every for values in zip(*per_fragment, strict=True))
+        return WireBytes(*(sum(values) / self.cfg.sync_every for values in zip(*per_fragment, strict=True)))
 
     def _fragment_shapes(self, model: torch.nn.Module):
         return [[p.shape for p in fragment] for fragment in self.fragments(model)]

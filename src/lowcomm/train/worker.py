@@ -10,9 +10,7 @@ import sys
 import traceback
 import warnings
 
-from omegaconf import OmegaConf
-
-from lowcomm.config import validate
+from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv
 from lowcomm.train.loop import train
 from lowcomm.train.stop import StopFlag
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="[lowcomm %(name)s] %(message)s")
     # Ctrl-C (SIGINT to the terminal's process group): checkpoint at the next step boundary.
     stop = StopFlag.install(signal.SIGINT)
-    run = validate(OmegaConf.load(argv[0]))
+    run = validate(load_run_config(argv[0]))
     result = train(run, env, should_stop=stop)
     if result.preempted and env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
         print(f"[lowcomm] interrupted: stopped at step {result.final_step} with a checkpoint in "

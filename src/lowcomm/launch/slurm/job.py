@@ -15,9 +15,8 @@ import warnings
 from typing import Any, NoReturn
 
 import submitit
-from omegaconf import OmegaConf
 
-from lowcomm.config import validate
+from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import train
 from lowcomm.train.stop import StopFlag
@@ -75,7 +74,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log = logging.getLogger("lowcomm")
         lowcomm_log.addHandler(handler)
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        run = validate(OmegaConf.load(self.config_path))
+        run = validate(load_run_config(self.config_path))
         result = train(run, DistEnv.from_environ(), should_stop=stop)
         if result.preempted:
             print(f"[lowcomm] rank {rank}: checkpoint at step {result.final_step} written; "
