@@ -316,8 +316,8 @@ def test_strategy_reports_amortised_packed_bytes():
     # each 64x128 / 128x64 weight: two 64x64 blocks x 128 kept = 256 entries: 384 B of indices,
     # 64 B of 2-bit codes, a 16 B table; once per 15 steps
     assert strategy.analytic_payload_bytes(model) == pytest.approx(2 * (384 + 64 + 16) / 15)
-    payload, tx, rx = strategy.analytic_traffic(model, 4)
-    assert payload == pytest.approx(2 * (384 + 64 + 16) / 15) and tx == rx == pytest.approx(3 * payload)
+    payload, tx, rx, direct = strategy.analytic_traffic(model, 4)
+    assert payload == pytest.approx(2 * (384 + 64 + 16) / 15) and tx == rx == pytest.approx(3 * payload) and direct == 0
 
 
 # ---------------------------------------------------------------------------- end to end
