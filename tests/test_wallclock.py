@@ -131,8 +131,9 @@ def test_the_default_target_is_reached_by_every_run():
 def test_every_optimizer_states_how_much_of_its_traffic_compute_can_hide(point):
     """The quickstart covers every registered optimizer (test_resume checks it)."""
     strategy, cfg = validate_optimizer(_config(*QUICKSTART[point]))
-    # a fragment every H / P = 10 / 2 steps, merged tau = 1 step later: 1 of 5 steps
-    expected = {"streaming_diloco": 1 / 5}
+    # a fragment every H / P = 10 / 2 steps, merged tau = 1 step later: 1 of 5 steps; under the
+    # quantized all-reduce only its all-to-all, half of the bytes, is in flight then: 1 of 10
+    expected = {"streaming_diloco": 1 / 10}
     # DDP: the tiny model's 155,648 fp32 gradients (0.6 MB) fit one 25 MiB bucket, sent after
     # the backward: nothing overlaps. OLMo-300M's 319,946,752 (1,279,787,008 B) fill 49 buckets
     # (48.8 x 26,214,400 B): all but the last behind the backward's 2/3 of the step
@@ -148,6 +149,14 @@ def _write_run(directory, config: dict, metrics: list[dict], summary: dict) -> N
     OmegaConf.save(OmegaConf.create(config), run_dir.config)
     run_dir.metrics.write_text("".join(json.dumps(record) + "\n" for record in metrics))
     run_dir.summary.write_text(json.dumps(summary))
+
+
+def test_streaming_diloco_hides_its_whole_exchange_when_it_all_gathers_or_sends_dense():
+    """The all-gather (or the dense all-reduce) is in flight whole during the tau steps."""
+    for overrides in (["optimizer.exchange=all_gather"], ["optimizer.quantization=none"]):
+        strategy, cfg = validate_optimizer(_config("optimizer=streaming_diloco", "optimizer.sync_every=10",
+                                                   "optimizer.num_fragments=2", *overrides))
+        assert strategy.comm_overlap(cfg, 155_648) == pytest.approx(1 / 5)
 
 
 def test_the_command_prints_the_time_to_target_per_link_and_draws_one_panel_each(tmp_path, capsys):
