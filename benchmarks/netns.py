@@ -1,4 +1,6 @@
-"""Private network namespaces for the benchmarks that measure the wire (wire_check.py, wan.py).
+"""Private network namespaces for the benchmarks and tests that measure the wire (wire_check.py,
+wan.py), and several nodes on one machine (:func:`node_network`: a namespace per node, a bridge
+between them).
 
 Inside a fresh namespace the loopback is the only link, and everything the gloo workers send
 crosses it: its counters (/sys/class/net/lo/statistics) count every byte, and a ``tc`` token
@@ -8,9 +10,12 @@ bucket filter on it is a real rate-limited link between them. Needs root and ipr
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 # A token bucket lets a burst of its size through at once. A real link has no such bucket, so
 # it is kept small: two packets. The loopback's 64 KiB packets would make it 128 KiB (a whole
@@ -50,3 +55,94 @@ def loopback_tx_bytes(namespace: str) -> int:
     done = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
                           check=True, capture_output=True, text=True)
     return int(done.stdout)
+
+
+# ------------------------------------------------------------------ several nodes on one machine
+NODE_SUBNET = "10.77.{tag}.{host}"  # one /24 per network: the tag keeps concurrent networks apart
+NODE_INTERFACE = "eth0"  # each node's end of its veth: its one link to the other nodes
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` mounts /etc/netns/NS/<file> over /etc/<file>
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of a :func:`node_network`: its hostname, network namespace and address. Its
+    loopback is the intra-node link, ``eth0`` (a veth to the network's bridge) the inter-node
+    one; each has its own kernel counters."""
+
+    hostname: str
+    namespace: str
+    address: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on this node: inside its namespace, under its own hostname (a UTS
+        namespace of its own), with ``/etc/hosts`` naming every node of the network."""
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c",
+                f'hostname {self.hostname} && exec "$@"', "sh", *argv]
+
+    def counters(self) -> dict[str, int]:
+        """Bytes sent so far on the node's two links: ``intra`` (its loopback: a packet counted
+        once) and ``inter`` (its veth to the bridge), from the kernel's counters."""
+        read = ["ip", "netns", "exec", self.namespace, "cat",
+                "/sys/class/net/lo/statistics/tx_bytes", f"/sys/class/net/{NODE_INTERFACE}/statistics/tx_bytes"]
+        intra, inter = subprocess.run(read, check=True, capture_output=True, text=True).stdout.split()
+        return {"intra": int(intra), "inter": int(inter)}
+
+    def limit_rate(self, bits_per_s: float | None) -> str:
+        """Rate-limit the node's inter-node link (its veth's egress) with a token bucket filter
+        of two packets (None: remove the limit); returns the qdisc as the kernel reports it."""
+        base = ["ip", "netns", "exec", self.namespace, "tc", "qdisc"]
+        subprocess.run([*base, "del", "dev", NODE_INTERFACE, "root"], capture_output=True, check=False)
+        if bits_per_s is not None:
+            subprocess.run([*base, "add", "dev", NODE_INTERFACE, "root", "tbf", "rate", f"{int(bits_per_s)}bit",
+                            "burst", str(2 * SHAPED_MTU), "latency", "1s"], check=True, capture_output=True)
+        return subprocess.run([*base, "show", "dev", NODE_INTERFACE], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def node_network(count: int, prefix: str = "lowcomm") -> Iterator[list[Node]]:
+    """``count`` nodes (2 to 4 is what the tests use) joined by one switch: a network namespace
+    per node with its loopback up, a veth from each node to a bridge in a namespace of its own
+    (nothing is added to the host's network), addresses in one /24, and hostnames
+    ``<prefix>-node<i>`` that every node resolves (``ip netns exec`` mounts
+    ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``). Everything is deleted on exit, also
+    when the body raises. Needs root and iproute2."""
+    if not 1 <= count <= 250:
+        raise ValueError(f"node_network: 1 to 250 nodes, got {count}")
+    tag = uuid.uuid4().hex[:6]
+    switch = f"{prefix}-switch-{tag}"
+    subnet = 1 + int(tag, 16) % 250
+    nodes = [Node(f"{prefix}-node{i}", f"{prefix}-node{i}-{tag}", NODE_SUBNET.format(tag=subnet, host=i + 1))
+             for i in range(count)]
+    created: list[str] = []
+    try:
+        subprocess.run(["ip", "netns", "add", switch], check=True)
+        created.append(switch)
+        _run_in(switch, ["ip", "link", "add", "br0", "type", "bridge"])
+        _run_in(switch, ["ip", "link", "set", "br0", "up"])
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{n.address} {n.hostname}\n" for n in nodes)
+        for index, node in enumerate(nodes):
+            subprocess.run(["ip", "netns", "add", node.namespace], check=True)
+            created.append(node.namespace)
+            etc = ETC_NETNS / node.namespace
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+            _run_in(node.namespace, ["ip", "link", "set", "lo", "up"])
+            port = f"port{index}"
+            _run_in(node.namespace, ["ip", "link", "add", NODE_INTERFACE, "type", "veth", "peer", "name", port,
+                                     "netns", switch])
+            _run_in(node.namespace, ["ip", "addr", "add", f"{node.address}/24", "dev", NODE_INTERFACE])
+            _run_in(node.namespace, ["ip", "link", "set", NODE_INTERFACE, "up"])
+            _run_in(switch, ["ip", "link", "set", port, "master", "br0"])
+            _run_in(switch, ["ip", "link", "set", port, "up"])
+        yield nodes
+    finally:
+        for namespace in reversed(created):
+            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, check=False)
+            shutil.rmtree(ETC_NETNS / namespace, ignore_errors=True)
+
+
+def _run_in(namespace: str, argv: Sequence[str]) -> None:
+    done = subprocess.run(["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"in namespace {namespace}: {' '.join(argv)} failed: {done.stderr.strip()}")

@@ -1,0 +1,91 @@
+"""Several nodes on one machine (benchmarks/netns.py ``node_network``): a network namespace per
+node under its own hostname, a veth from each to one bridge. What crosses between nodes shows
+on the sender's veth counter and not on its loopback; a gloo all-reduce rendezvouses across
+nodes by hostname; nothing is left behind, also when the body fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netns_helpers import need_iproute2, netns_unavailable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+pytestmark = pytest.mark.slow
+
+SEND = 2_000_000  # bytes node 1 sends to node 0
+
+
+@pytest.fixture(autouse=True)
+def _root():
+    if os.geteuid() != 0:
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
+
+
+def _listed() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_nodes_resolve_each_other_and_the_kernel_counts_inter_node_bytes_on_the_veth():
+    from netns import node_network
+
+    receive = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+               "s.bind(('0.0.0.0', 29731)); s.listen(1); c, _ = s.accept(); n = 0\n"
+               "while True:\n b = c.recv(1 << 16)\n if not b: break\n n += len(b)\nprint(n)")
+    with node_network(2, prefix="lctest") as nodes:
+        names = [subprocess.run(node.command(["hostname"]), capture_output=True, text=True, check=True).stdout.strip()
+                 for node in nodes]
+        assert names == ["lctest-node0", "lctest-node1"]
+        resolved = subprocess.run(nodes[1].command(["getent", "hosts", "lctest-node0"]), capture_output=True,
+                                  text=True, check=True).stdout.split()[0]
+        assert resolved == nodes[0].address
+        server = subprocess.Popen(nodes[0].command([sys.executable, "-c", receive]), stdout=subprocess.PIPE, text=True)
+        before = nodes[1].counters()
+        send = (f"import socket, time\nfor _ in range(100):\n try:\n  s = socket.create_connection(('lctest-node0', "
+                f"29731)); break\n except OSError: time.sleep(0.05)\ns.sendall(b'x' * {SEND}); s.close()")
+        subprocess.run(nodes[1].command([sys.executable, "-c", send]), check=True, timeout=60)
+        assert int(server.communicate(timeout=60)[0]) == SEND
+        after = nodes[1].counters()
+        inter, intra = after["inter"] - before["inter"], after["intra"] - before["intra"]
+        assert SEND <= inter <= SEND * 1.05  # the payload and its TCP/IP headers, on the veth
+        assert intra < 10_000  # nothing of it on the loopback
+        namespaces = [node.namespace for node in nodes]
+    listed = _listed()
+    assert not any(namespace in listed for namespace in namespaces)
+    assert not any(Path("/etc/netns", namespace).exists() for namespace in namespaces)
+
+
+def test_everything_is_deleted_when_the_body_fails():
+    from netns import node_network
+
+    with pytest.raises(RuntimeError, match="inside"), node_network(3, prefix="lctest") as nodes:
+        namespaces = [node.namespace for node in nodes]
+        raise RuntimeError("inside")
+    assert not any(namespace in _listed() for namespace in namespaces)
+
+
+def _all_reduce_script(rank: int, world: int, master: str) -> str:
+    return ("import torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method='tcp://{master}:29741', rank={rank}, world_size={world})\n"
+            f"t = torch.full((4,), float({rank} + 1)); dist.all_reduce(t); print(int(t[0].item()))\n"
+            "dist.destroy_process_group()")
+
+
+def test_gloo_rendezvous_across_nodes_by_hostname():
+    from netns import node_network
+
+    with node_network(2, prefix="lctest") as nodes:
+        procs = [subprocess.Popen(node.command([sys.executable, "-c", _all_reduce_script(rank, 2, "lctest-node0")]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"})
+                 for rank, node in enumerate(nodes)]
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+        assert [out.strip() for out, _ in outputs] == ["3", "3"]
