@@ -51,8 +51,9 @@ def test_collectives_and_their_bytes_on_four_gloo_workers():
         assert by["data/world/all_reduce"] == {"calls": 2, "payload": 64, "tx": 96, "rx": 96, "messages": 12}
         # ring all-gather: every rank forwards all W-1 other messages: (W-1) x payload each way
         assert by["data/world/all_gather"] == {"calls": 1, "payload": 16, "tx": 48, "rx": 48, "messages": 3}
-        # reduce-scatter of a 32-byte input: (W-1)/W each way in W-1 sends
-        assert by["data/world/reduce_scatter"] == {"calls": 1, "payload": 32, "tx": 24, "rx": 24, "messages": 3}
+        # reduce-scatter of a 32-byte input on gloo: an all-reduce of it, 2(W-1)/W each way in 2(W-1)
+        # sends (NCCL's ring would send (W-1)/W in W-1)
+        assert by["data/world/reduce_scatter"] == {"calls": 1, "payload": 32, "tx": 48, "rx": 48, "messages": 6}
         # chain broadcast from rank 1: payload on the source only; all but the tail forward
         is_src, is_tail = rank == 1, rank == 0
         assert by["data/world/broadcast"] == {
@@ -60,11 +61,11 @@ def test_collectives_and_their_bytes_on_four_gloo_workers():
             "messages": 0 if is_tail else 1,
         }
         assert out["step"]["comm/payload_bytes"] == 64 + 16 + 32 + (40 if is_src else 0)
-        assert out["step"]["comm/messages"] == 12 + 3 + 3 + (0 if is_tail else 1)
+        assert out["step"]["comm/messages"] == 12 + 3 + 6 + (0 if is_tail else 1)
     # summed over the ranks, what is sent is received
     for kind in ("tx", "rx"):
         assert sum(out["step"][f"comm/{kind}_bytes"] for out in results) == sum(
-            96 + 48 + 24 + (0 if rank == 0 else 40) for rank in range(world))
+            96 + 48 + 48 + (0 if rank == 0 else 40) for rank in range(world))
 
 
 def test_single_process_communicator_is_an_identity_with_zero_wire_bytes():

@@ -31,9 +31,9 @@ from lowcomm.comm.meter import (
     CommMeter,
     Traffic,
     chain_broadcast_traffic,
+    reduce_scatter_traffic,
     ring_all_gather_traffic,
     ring_all_reduce_traffic,
-    ring_reduce_scatter_traffic,
 )
 from lowcomm.comm.quantized import (
     chunk_views,
@@ -224,10 +224,12 @@ class Communicator:
         purpose: str = "data",
     ):
         """Reduce ``tensor`` (W equal rank-ordered chunks) and leave chunk ``rank`` in ``output``.
-        ``op="avg"`` is the backend's AVG; without it, a divided copy of ``tensor`` is summed."""
+        ``op="avg"`` is the backend's AVG; without it, a divided copy of ``tensor`` is summed.
+        Metered as the backend runs it: NCCL's ring, or gloo's all-reduce of the whole input."""
         group = self._route("reduce_scatter", purpose, output, tensor)
         payload = nbytes(tensor)
-        self._record("reduce_scatter", payload, ring_reduce_scatter_traffic(payload, self.world_size), purpose)
+        backend = self.served.get(tensor.device.type, "nccl")
+        self._record("reduce_scatter", payload, reduce_scatter_traffic(payload, self.world_size, backend), purpose)
         if not self.distributed:
             output.view(-1).copy_(tensor.reshape(-1))
             return _DoneWork([output]) if async_op else None

@@ -114,16 +114,17 @@ class Traffic(NamedTuple):
 
 def traffic_function(
     model_name: str, overrides: list[str], meta_model=None, gpus_per_node: int = GPUS_PER_NODE,
-    warmup: bool = False,
+    warmup: bool = False, backend: str = "nccl",
 ) -> Callable[[int], Traffic]:
     """W -> (payload, tx, rx, per-link) bytes per worker and step for one optimizer config
-    (``warmup``: before its compression starts); the config is composed and validated once."""
+    (``warmup``: before its compression starts) on ``backend``'s collectives (NCCL, a cluster's;
+    gloo's reduce-scatter is an all-reduce); the config is composed and validated once."""
     return config_traffic_function(_compose_groups([f"model={model_name}", *overrides]), meta_model,
-                                   gpus_per_node, warmup)
+                                   gpus_per_node, warmup, backend)
 
 
 def config_traffic_function(
-    raw: dict, meta_model=None, gpus_per_node: int = GPUS_PER_NODE, warmup: bool = False,
+    raw: dict, meta_model=None, gpus_per_node: int = GPUS_PER_NODE, warmup: bool = False, backend: str = "nccl",
 ) -> Callable[[int], Traffic]:
     """:func:`traffic_function` of a composed config (a run directory's ``config.yaml``)."""
     strategy_cls, optimizer_cfg = validate_optimizer(raw)
@@ -131,7 +132,7 @@ def config_traffic_function(
     model = meta_model if meta_model is not None else build_model(ModelSpec(**raw["model"]), "meta")
     if hasattr(strategy, "analytic_scope_bytes"):
         def scoped(world_size: int) -> Traffic:
-            scopes = strategy.analytic_scope_bytes(model, world_size, gpus_per_node)
+            scopes = strategy.analytic_scope_bytes(model, world_size, gpus_per_node, backend=backend)
             payload, tx, rx = (sum(values[i] for values in scopes.values()) for i in range(3))
             return Traffic(payload, tx, rx, scopes, scopes["inter"][1] if "inter" in scopes else 0.0)
 
@@ -147,11 +148,11 @@ def config_traffic_function(
 
 def measure(
     model_name: str, overrides: list[str], world_size: int, meta_model=None, gpus_per_node: int = GPUS_PER_NODE,
-    warmup: bool = False,
+    warmup: bool = False, backend: str = "nccl",
 ) -> Traffic:
     """(payload, tx, rx) bytes per worker and step for one optimizer config (``warmup``: before
     its compression starts), and the same per link (scope) for strategies that report them."""
-    return traffic_function(model_name, overrides, meta_model, gpus_per_node, warmup)(world_size)
+    return traffic_function(model_name, overrides, meta_model, gpus_per_node, warmup, backend)(world_size)
 
 
 def crossover_world_size(

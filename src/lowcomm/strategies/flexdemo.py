@@ -42,7 +42,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.meter import ring_all_gather_bytes, ring_reduce_scatter_bytes
+from lowcomm.comm.meter import reduce_scatter_bytes, ring_all_gather_bytes
 from lowcomm.distenv import local_layout
 from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, row_shard
 from lowcomm.strategies.base import (
@@ -288,12 +288,14 @@ class FlexDeMoStrategy(DeMoStrategy):
 
     # --------------------------------------------------------------- bytes
     def analytic_scope_bytes(
-        self, model: torch.nn.Module, world_size: int, local_world_size: int, micro_batches: int = 1
+        self, model: torch.nn.Module, world_size: int, local_world_size: int, micro_batches: int = 1,
+        backend: str = "nccl",
     ) -> dict[str, ScopeBytes]:
         """(payload, tx, rx) per worker and optimizer step in the scopes ``intra`` and ``inter``,
         from shapes alone (``model`` may be on the meta device): the formulas of the module doc
-        for ``micro_batches`` forward/backward passes per step, with the meter's ring
-        conventions. The inter payload is averaged over shard indices (uneven row splits)."""
+        for ``micro_batches`` forward/backward passes per step, with the meter's conventions for
+        ``backend`` (NCCL's ring reduce-scatter; gloo's is an all-reduce). The inter payload is
+        averaged over shard indices (uneven row splits)."""
         shard_size = self.shard_group_size(local_world_size)
         replicas = len(hybrid_groups(world_size, shard_size)[1][0])
         intra = [0.0, 0.0, 0.0]
@@ -309,7 +311,7 @@ class FlexDeMoStrategy(DeMoStrategy):
                 is_root = position == len(units) - 1
                 gathers = micro_batches * (1 if is_root else 2)
                 tx, rx = ring_all_gather_bytes(shard_bytes, shard_size)
-                scatter_tx, scatter_rx = ring_reduce_scatter_bytes(shard_bytes * shard_size, shard_size)
+                scatter_tx, scatter_rx = reduce_scatter_bytes(shard_bytes * shard_size, shard_size, backend)
                 intra[0] += gathers * shard_bytes + shard_bytes * shard_size
                 intra[1] += gathers * tx + scatter_tx
                 intra[2] += gathers * rx + scatter_rx
