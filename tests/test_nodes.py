@@ -54,7 +54,9 @@ def test_nodes_resolve_each_other_and_the_kernel_counts_inter_node_bytes_on_the_
         assert int(server.communicate(timeout=60)[0]) == SEND
         after = nodes[1].counters()
         inter, intra = after["inter"] - before["inter"], after["intra"] - before["intra"]
-        assert SEND <= inter <= SEND * 1.05  # the payload and its TCP/IP headers, on the veth
+        # the payload and its TCP/IP headers (about 4.5 % at the veth's 1500-byte MTU), on the veth; a
+        # loaded machine adds retransmissions and window updates (14 % seen once in CI)
+        assert SEND <= inter <= SEND * 1.25
         assert intra < 10_000  # nothing of it on the loopback
         namespaces = [node.namespace for node in nodes]
     listed = _listed()
