@@ -58,13 +58,10 @@ def inside(steps: int, out: Path) -> None:
     counters around each window."""
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
+    from wire_check import tiny_stepper  # this script's directory is on sys.path
 
     from lowcomm.comm import Communicator
-    from lowcomm.config import validate_optimizer
-    from lowcomm.config.compose import compose
     from lowcomm.distenv import DistEnv
-    from lowcomm.models import ModelSpec, build_model
 
     torch.set_num_threads(1)
     env = DistEnv.from_environ()
@@ -88,20 +85,8 @@ def inside(steps: int, out: Path) -> None:
 
     window("empty", Communicator(), lambda: None)
     for name, overrides in OPTIMIZERS.items():
-        raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
-        strategy_cls, cfg = validate_optimizer(raw)
         comm = Communicator.world("cpu")
-        strategy = strategy_cls(cfg, raw["compression"], comm)
-        model, optimizer = strategy.build(build_model(ModelSpec(**raw["model"]), "cpu", seed=0))
-        generator = torch.Generator().manual_seed(env.rank)
-
-        def step(model=model, optimizer=optimizer, generator=generator) -> None:
-            tokens = torch.randint(0, 256, (2, 64), generator=generator)
-            logits = model(tokens[:, :-1]).logits
-            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = tiny_stepper(name, overrides, env.rank, comm)
         step()  # outside the window: one-time set-up traffic (DDP's bucket order, FSDP's first gathers)
         window(name, comm, lambda step=step: [step() for _ in range(steps)])
     out.write_text(json.dumps({"rank": env.rank, "local_rank": env.local_rank, "node": env.rank // env.local_world_size,

@@ -54,15 +54,38 @@ def _metered(comm) -> tuple[int, int]:
     return sum(t["tx"] for t in totals), sum(t["messages"] for t in totals)
 
 
-def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - spawn_workers' signature
+def tiny_stepper(name: str, overrides: list[str], rank: int, comm):
+    """One training step of optimizer ``name`` (with ``overrides``) on the tiny model, this rank's
+    own random tokens, its traffic through ``comm``: the unit every probe window repeats. Also
+    used by node_wire.py."""
     import torch
-    import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from lowcomm.comm import Communicator
     from lowcomm.config import validate_optimizer
     from lowcomm.config.compose import compose
     from lowcomm.models import ModelSpec, build_model
+
+    raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
+    strategy_cls, cfg = validate_optimizer(raw)
+    strategy = strategy_cls(cfg, raw["compression"], comm)
+    model, optimizer = strategy.build(build_model(ModelSpec(**raw["model"]), "cpu", seed=0))
+    generator = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, 256, (2, 64), generator=generator)
+        logits = model(tokens[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - spawn_workers' signature
+    import torch
+    import torch.distributed as dist
+
+    from lowcomm.comm import Communicator
 
     if rank == 0 and sorted(os.listdir("/sys/class/net")) != ["lo"]:
         raise RuntimeError("not inside a private network namespace: /sys/class/net has "
@@ -105,20 +128,8 @@ def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - 
     for label, name, overrides in (("adamw_ddp", "adamw_ddp", []), ("demo", "demo", []),
                                    ("diloco 2-bit", "diloco", ["compression=quantize", "optimizer.error_feedback=0.9",
                                                                "optimizer.sync_every=1"])):
-        raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
-        strategy_cls, cfg = validate_optimizer(raw)
         comm = Communicator()
-        strategy = strategy_cls(cfg, raw["compression"], comm)
-        model, optimizer = strategy.build(build_model(ModelSpec(**raw["model"]), "cpu", seed=0))
-        generator = torch.Generator().manual_seed(rank)
-
-        def step(model=model, optimizer=optimizer, generator=generator) -> None:
-            tokens = torch.randint(0, 256, (2, 64), generator=generator)
-            logits = model(tokens[:, :-1]).logits
-            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = tiny_stepper(name, overrides, rank, comm)
         step()  # outside the window: DDP's one-time bucket-order broadcast happens here
         window(f"{label} x {steps} steps", comm, lambda step=step: [step() for _ in range(steps)])
     return windows
