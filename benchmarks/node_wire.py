@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lowcomm.comm.meter import ring_inter_node_share
+
 OPTIMIZERS = {
     "adamw_ddp": [],
     "demo": [],
@@ -112,8 +114,24 @@ def summarize(per_rank: list[dict], nodes: int, ranks_per_node: int) -> dict:
                     metered[scope] = metered.get(scope, 0) + value
             per_node.append({"kernel": {k: kernel[k] - (empty[k] if name != "empty" else 0) for k in kernel},
                              "metered": metered})
-        result[name] = {"per_node": per_node, "ring_inter_share": nodes / world}
+        share = ring_inter_node_share(world, ranks_per_node)
+        for figures in per_node:
+            figures["predicted"] = node_split(figures["metered"], share)
+        result[name] = {"per_node": per_node, "ring_inter_share": share}
     return {"nodes": nodes, "ranks_per_node": ranks_per_node, "windows": result}
+
+
+def node_split(metered: dict[str, int], share: float) -> dict[str, float]:
+    """What the comm table says one node puts on each link, from its ranks' metered tx and
+    messages per scope: a world collective's ring leaves the node ``share`` of the time
+    (``ring_inter_node_share``: nodes / W), the rest stays inside it; the ``inter`` scope (the
+    replicas across nodes) crosses, the ``intra`` scope (the shard group) does not. Keys:
+    ``inter``, ``intra`` (bytes) and ``<link>/messages``."""
+    world, world_messages = metered.get("world", 0), metered.get("world/messages", 0)
+    return {"inter": world * share + metered.get("inter", 0),
+            "inter/messages": world_messages * share + metered.get("inter/messages", 0),
+            "intra": world * (1 - share) + metered.get("intra", 0),
+            "intra/messages": world_messages * (1 - share) + metered.get("intra/messages", 0)}
 
 
 def run(nodes_count: int, ranks_per_node: int, steps: int) -> dict:
@@ -144,19 +162,20 @@ def run(nodes_count: int, ranks_per_node: int, steps: int) -> dict:
 
 def format_report(result: dict) -> str:
     lines = [f"{result['nodes']} nodes x {result['ranks_per_node']} gloo ranks; per node, MB = 1e6 bytes; kernel: "
-             "the node's loopback (intra) and veth (inter) tx, less the window's barriers; msgs: metered sends",
-             f"{'window':<12} {'node':>4} {'kernel intra':>13} {'kernel inter':>13} {'metered world':>14} "
-             f"{'x ring share':>13} {'metered intra':>14} {'metered inter':>14} {'msgs':>6}"]
+             "the node's loopback (intra) and veth (inter) tx, less the window's barriers; metered: the node's "
+             "ranks' tx as the comm table splits it (a world ring leaves the node nodes/W of the time); msgs: "
+             "metered sends on that link",
+             f"{'window':<10} {'node':>4} {'kernel intra':>13} {'metered intra':>14} {'msgs':>6} "
+             f"{'kernel inter':>13} {'metered inter':>14} {'msgs':>6} {'inter overhead B/msg':>21}"]
     for name, window in result["windows"].items():
         if name == "empty":
             continue
-        share = window["ring_inter_share"]
         for node, figures in enumerate(window["per_node"]):
-            k, m = figures["kernel"], figures["metered"]
-            lines.append(f"{name:<12} {node:>4} {k['intra'] / 1e6:13.4f} {k['inter'] / 1e6:13.4f} "
-                         f"{m.get('world', 0) / 1e6:14.4f} {m.get('world', 0) * share / 1e6:13.4f} "
-                         f"{m.get('intra', 0) / 1e6:14.4f} {m.get('inter', 0) / 1e6:14.4f} "
-                         f"{sum(v for key, v in m.items() if key.endswith('/messages')):6d}")
+            k, p = figures["kernel"], figures["predicted"]
+            overhead = (k["inter"] - p["inter"]) / max(p["inter/messages"], 1)
+            lines.append(f"{name:<10} {node:>4} {k['intra'] / 1e6:13.4f} {p['intra'] / 1e6:14.4f} "
+                         f"{p['intra/messages']:6.0f} {k['inter'] / 1e6:13.4f} {p['inter'] / 1e6:14.4f} "
+                         f"{p['inter/messages']:6.0f} {overhead:21.0f}")
     return "\n".join(lines)
 
 

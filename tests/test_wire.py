@@ -39,14 +39,11 @@ from pathlib import Path
 import pytest
 
 from lowcomm.models import ModelSpec, build_model
-from netns_helpers import need_iproute2, netns_unavailable
+from netns_helpers import OVERHEAD_PER_BYTE_MAX, OVERHEAD_PER_MESSAGE, need_iproute2, netns_unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIRE_CHECK = REPO_ROOT / "benchmarks" / "wire_check.py"
 WORLD, STEPS = 4, 5
-# The wire's overhead, as measured (see the module doc) and bounded here:
-OVERHEAD_PER_BYTE_MAX = 0.01  # measured 0.18 %: TCP/IP headers of 64 KiB loopback segments
-OVERHEAD_PER_MESSAGE = (200.0, 1500.0)  # bytes; measured 690
 PREDICTION_TOLERANCE = 0.05  # kernel vs tx x (1 + per byte) + messages x per message; measured 0.1-0.6 %
 
 pytestmark = pytest.mark.slow
