@@ -22,20 +22,34 @@ than cores, a rank that waits for the link gives its core to another, and the tr
 behind the others' compute (4 workers on 2 cores: DeMo's predicted 41 ms of traffic per step
 at 50 Mbit/s did not show in its measured step time at all).
 
+With ``--nodes N`` the workers are split between N nodes (benchmarks/netns.py ``node_network``:
+a namespace per node, a veth from each to a bridge): each node's veth, its link to the other
+nodes, is shaped, and its loopback, the link inside it, is not; the ranks start as torchrun or a
+SLURM job starts them (RANK, LOCAL_RANK, the first node's hostname as MASTER_ADDR). The model
+then sees the veth as the inter-node link of ``lowcomm-wallclock --ranks-per-link <ranks per
+node>``: a world collective's ring leaves each node from one rank at a time, which has the whole
+rate; FlexDeMo's replicas across nodes send from every rank of a node at once, 1/ranks each.
+Framing per message is measured on the veths: (bytes every veth carried - what the comm table
+says crosses) / the messages that cross. The intra-node link's time is in the unshaped run's
+step time. This is the FlexDeMo paper's setting (a fast link inside a node, a slow one between).
+
 The target is a prediction within 25 % of the measurement. Then, from the runs on the slowest
 link, it draws validation loss against measured wall-clock time (each logged window's measured
 step time; validation is timed in the window after it) and writes, in ``--out``:
-``summary.md`` (the table), ``wan.json`` and ``loss_vs_time_<link>.png``.
+``summary.md`` (the table), ``wan.json``, ``loss_vs_time_<link>.png`` and
+``step_time_measured_vs_predicted.png``.
 
     sudo .venv/bin/python benchmarks/wan.py                    # 100 and 10 Mbit/s, 100 steps: ~4 min
     sudo .venv/bin/python benchmarks/wan.py --links 100M 10M --steps 60 --out results/wan
+    sudo .venv/bin/python benchmarks/wan.py --nodes 2 --out results/multinode/wan   # 2 nodes x 2 ranks
 
-Needs root and iproute2 (``ip netns``, ``tc``); the namespace is deleted on exit.
+Needs root and iproute2 (``ip netns``, ``tc``); the namespaces are deleted on exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,13 +58,15 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from netns import limit_rate, loopback_tx_bytes, network_namespace  # benchmarks/netns.py
+from netns import NODE_INTERFACE, limit_rate, loopback_tx_bytes, network_namespace, node_network
 
+from lowcomm.comm.meter import ring_inter_node_share
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
+from lowcomm.launch.local import prepare_run_dir
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
 from lowcomm.report.runs import load_run
-from lowcomm.report.wallclock import Link, compute_seconds_per_step, parse_bandwidth, timeline
+from lowcomm.report.wallclock import CUMULATIVE, Link, compute_seconds_per_step, parse_bandwidth, timeline
 
 WORLD = 4 if (os.cpu_count() or 1) >= 4 else 2  # a core per worker; the quickstart's batch takes 1, 2 or 4
 TARGET = 0.25
@@ -59,7 +75,14 @@ OPTIMIZERS = {
     "DeMo k=32": ["optimizer=demo", "optimizer.lr=6e-3"],
     "DeMo k=32 one bucket": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.bucket_numel=10000000000"],
     "DiLoCo H=10": ["optimizer=diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
+    "FlexDeMo k=32": ["optimizer=flexdemo", "optimizer.lr=6e-3"],  # shard group: the ranks of a node
 }
+ONE_NODE_OPTIMIZERS = ["AdamW-DDP", "DeMo k=32", "DeMo k=32 one bucket", "DiLoCo H=10"]
+NODES_OPTIMIZERS = ["AdamW-DDP", "DeMo k=32", "FlexDeMo k=32"]  # the FlexDeMo paper's comparison
+PORT = 29781
+# The unshaped link inside a node: its time is already in the unshaped run's measured step time,
+# the compute the model starts from, so the model charges it nothing more.
+IN_THE_COMPUTE = Link("loopback (in the measured step time)", float("inf"), 0.0)
 
 
 def _rate_name(bits_per_s: float) -> str:
@@ -73,12 +96,112 @@ def _overrides(label: str, steps: int, run_root: Path, workers: int) -> list[str
             f"run_root={run_root}", f"label='{label}'", *OPTIMIZERS[label]]
 
 
-def train_in(namespace: str, overrides: list[str]) -> None:
-    """One lowcomm-train run inside the namespace (its local launcher starts the W workers there)."""
-    command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "lowcomm.cli.train", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"training failed ({' '.join(overrides)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+class OneNode:
+    """Every worker on one node: a namespace whose loopback, the only link, is shaped. All W
+    ranks send on it at once (a ring collective's hops run together), so each has 1/W of it."""
+
+    def __init__(self, workers: int):
+        self.workers, self.ranks_per_node = workers, workers
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        self.namespace = self._stack.enter_context(network_namespace("lowcomm-wan"))
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def describe(self) -> str:
+        return f"{self.workers} gloo workers on one node, its loopback shaped"
+
+    def limit(self, bits_per_s: float | None) -> str:
+        return limit_rate(self.namespace, bits_per_s)
+
+    def carried(self) -> int:
+        """Bytes on the shaped link so far."""
+        return loopback_tx_bytes(self.namespace)
+
+    def train(self, overrides: list[str]) -> None:
+        """One lowcomm-train run inside the namespace (its local launcher starts the W workers there)."""
+        command = ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "lowcomm.cli.train", *overrides]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"training failed ({' '.join(overrides)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+
+    def link(self, name: str, bits_per_s: float, run, carried: int) -> tuple[Link, int]:
+        """The shaped link as the model sees it, its framing per message measured: (bytes the
+        kernel carried - metered tx of all ranks) / their messages; and the ranks sharing it."""
+        metered, messages = _cumulative(run, "tx") * self.workers, _cumulative(run, "messages") * self.workers
+        framing = max(0.0, carried - metered) / max(messages, 1)
+        return Link(name, bits_per_s / self.workers, 0.0, framing_bytes=framing), 1
+
+
+class Nodes:
+    """``nodes`` nodes of ``ranks_per_node`` workers (benchmarks/netns.py ``node_network``): each
+    node's veth, its link to the others, is shaped; its loopback (the intra-node link) is not.
+    A world collective's ring leaves a node from one rank at a time, so that rank has the whole
+    veth; FlexDeMo's replicas across nodes send from every rank of a node at once."""
+
+    def __init__(self, nodes: int, ranks_per_node: int):
+        self.nodes, self.ranks_per_node, self.workers = nodes, ranks_per_node, nodes * ranks_per_node
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        self.network = self._stack.enter_context(node_network(self.nodes, prefix="lcwan"))
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def describe(self) -> str:
+        return (f"{self.nodes} nodes x {self.ranks_per_node} gloo workers, each node's veth shaped, "
+                "its loopback not")
+
+    def limit(self, bits_per_s: float | None) -> str:
+        return "; ".join(f"{node.hostname}: {node.limit_rate(bits_per_s) or 'no qdisc'}" for node in self.network)
+
+    def carried(self) -> int:
+        """Bytes on the shaped links (every node's veth) so far."""
+        return sum(node.counters()["inter"] for node in self.network)
+
+    def train(self, overrides: list[str]) -> None:
+        """lowcomm's worker on every node, ``ranks_per_node`` ranks each, the first node's hostname
+        as the rendezvous (what torchrun or a SLURM job exports)."""
+        config_path = prepare_run_dir(validate(compose(overrides)))
+        procs = []
+        for index, node in enumerate(self.network):
+            for local in range(self.ranks_per_node):
+                env = {**os.environ, "RANK": str(index * self.ranks_per_node + local), "WORLD_SIZE": str(self.workers),
+                       "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+                       "MASTER_ADDR": self.network[0].hostname, "MASTER_PORT": str(PORT),
+                       "GLOO_SOCKET_IFNAME": NODE_INTERFACE, "OMP_NUM_THREADS": "1"}
+                procs.append(subprocess.Popen(node.command([sys.executable, "-m", "lowcomm.train.worker",
+                                                            str(config_path)]),
+                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [proc.communicate(timeout=3600)[0] for proc in procs]
+        failed = [out[-3000:] for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
+        if failed:
+            raise RuntimeError(f"training failed ({' '.join(overrides)}):\n{failed[0]}")
+
+    def link(self, name: str, bits_per_s: float, run, carried: int) -> tuple[Link, int]:
+        """The shaped veth as the model sees it, its framing per message measured: (bytes every
+        veth carried - what the comm table says crosses) / the messages that cross (a world
+        collective's nodes/W, FlexDeMo's inter scope); and the ranks that share it."""
+        share = ring_inter_node_share(self.workers, self.ranks_per_node)
+        inter, inter_messages = _cumulative(run, "inter_tx"), _cumulative(run, "inter_messages")
+        world = _cumulative(run, "tx") - _cumulative(run, "intra_tx") - inter
+        world_messages = (_cumulative(run, "messages") - _cumulative(run, "intra_messages") - inter_messages)
+        crossing = self.workers * (world * share + inter)
+        crossing_messages = self.workers * (world_messages * share + inter_messages)
+        framing = max(0.0, carried - crossing) / max(crossing_messages, 1)
+        return Link(name, bits_per_s, 0.0, framing_bytes=framing), self.ranks_per_node
+
+
+def _cumulative(run, key: str) -> float:
+    """One rank's whole-run count of the wall-clock model's ``key`` (bytes or messages)."""
+    metric = CUMULATIVE[key]
+    value = [r for r in run.metrics if "comm/cum_tx_MB" in r][-1].get(metric, 0.0)
+    return value * 1e6 if metric.endswith("_MB") else value
 
 
 def measured_times(run) -> tuple[list[int], list[float]]:
@@ -119,68 +242,109 @@ def plot(results: dict, runs: dict, rate_name: str, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--links", nargs="+", default=["100M", "10M"], metavar="RATE",
-                        help="rates of the shaped loopback in bit/s (default: 100M 10M); the last draws the figure")
-    parser.add_argument("--workers", type=int, default=WORLD, help=f"gloo workers (default {WORLD})")
+                        help="rates of the shaped link in bit/s (default: 100M 10M); the last draws the figure")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes (default 1: one namespace, its loopback shaped); more: a namespace per node, "
+                             "each node's veth shaped, the workers split evenly between them")
+    parser.add_argument("--workers", type=int, help=f"gloo workers in all (default {WORLD}; with --nodes: 2 per node)")
     parser.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
-    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS),
+                        help=f"(default: {', '.join(ONE_NODE_OPTIMIZERS)}; with --nodes: {', '.join(NODES_OPTIMIZERS)})")
     parser.add_argument("--out", type=Path, default=Path("results/wan"), help="tables, JSON and figure")
     parser.add_argument("--work", type=Path, default=Path("runs/wan"), help="run directories (default: runs/wan)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("needs root (ip netns add, tc)")
+    if args.nodes > 1:
+        workers = args.workers or 2 * args.nodes
+        if workers % args.nodes:
+            parser.error(f"--workers {workers} does not split evenly between {args.nodes} nodes")
+        topology, optimizers = Nodes(args.nodes, workers // args.nodes), args.optimizers or NODES_OPTIMIZERS
+    else:
+        topology, optimizers = OneNode(args.workers or WORLD), args.optimizers or ONE_NODE_OPTIMIZERS
     rates = [parse_bandwidth(text) for text in args.links]
-    work = args.work
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"world_size": args.workers, "steps": args.steps, "optimizers": args.optimizers, "links": {},
-                     }
+    results: dict = {"world_size": topology.workers, "nodes": args.nodes, "ranks_per_node": topology.ranks_per_node,
+                     "topology": topology.describe(), "steps": args.steps, "optimizers": optimizers, "links": {}}
     runs: dict[str, dict] = {}
     started = time.perf_counter()
-    with network_namespace("lowcomm-wan") as namespace:
+    with topology:
         for rate in [None, *rates]:
             name = "unshaped" if rate is None else _rate_name(rate)
-            shown = limit_rate(namespace, rate)
+            shown = topology.limit(rate)
             print(f"[wan] link {name}: {shown or 'no qdisc'}", flush=True)
             results["links"][name] = {"tc": shown, "bits_per_s": rate, "runs": {}}
             runs[name] = {}
-            for label in args.optimizers:
+            for label in optimizers:
                 print(f"[wan]   {label} ({time.perf_counter() - started:.0f} s)", flush=True)
-                overrides = _overrides(label, args.steps, work / name, args.workers)
-                before = loopback_tx_bytes(namespace)
-                train_in(namespace, overrides)
-                carried = loopback_tx_bytes(namespace) - before
+                overrides = _overrides(label, args.steps, args.work / name, topology.workers)
+                before = topology.carried()
+                topology.train(overrides)
+                carried = topology.carried() - before
                 run = load_run(validate(compose(overrides)).run_dir)
                 runs[name][label] = run
                 entry = {"measured_step_s": compute_seconds_per_step(run), "final_val_loss": run.final_val_loss,
                          "kernel_MB_per_step": carried / 1e6 / args.steps,
-                         "metered_tx_MB_per_step": args.workers * run.summary["tx_MB_per_step"]}
+                         "metered_tx_MB_per_step": topology.workers * run.summary["tx_MB_per_step"]}
                 if rate is not None:
-                    per_rank = rate / args.workers
-                    messages = args.workers * run.series("comm/cum_messages")[1][-1]
-                    framing = max(0.0, carried - args.workers * run.summary["tx_MB_per_step"] * 1e6 * args.steps)
-                    entry["framing_bytes_per_message"] = framing / max(messages, 1)
-                    link = Link(name, per_rank, entry["framing_bytes_per_message"] * 8 / per_rank)
+                    link, ranks_per_link = topology.link(name, rate, run, carried)
+                    entry["framing_bytes_per_message"] = link.framing_bytes
                     compute = results["links"]["unshaped"]["runs"][label]["measured_step_s"]
-                    predicted = timeline(run, link, compute_s=compute)
+                    predicted = timeline(run, link, intra=IN_THE_COMPUTE, ranks_per_link=ranks_per_link,
+                                         compute_s=compute)
                     entry["predicted_step_s"] = predicted.total_s / predicted.steps[-1]
                     entry["comm_s_per_step"] = predicted.comm_s_per_step
                     entry["overlap"] = predicted.overlap
                     entry["error"] = entry["predicted_step_s"] / entry["measured_step_s"] - 1
                 results["links"][name]["runs"][label] = entry
-            limit_rate(namespace, None)
+            topology.limit(None)
     table = format_table(results)
     (args.out / "summary.md").write_text(table + "\n")
     (args.out / "wan.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table)
-    figure = plot(results, runs, _rate_name(rates[-1]), args.out)
-    print(f"table:  {args.out / 'summary.md'}\njson:   {args.out / 'wan.json'}\nfigure: {figure}")
+    figures = [plot(results, runs, _rate_name(rates[-1]), args.out), plot_step_times(results, args.out)]
+    print(f"table:  {args.out / 'summary.md'}\njson:   {args.out / 'wan.json'}")
+    for figure in figures:
+        print(f"figure: {figure}")
     return 0
 
 
+def plot_step_times(results: dict, out: Path) -> Path:
+    """Measured time per step beside the model's prediction, per shaped link and optimizer."""
+    shaped = [name for name, link in results["links"].items() if link["bits_per_s"] is not None]
+    labels = results["optimizers"]
+    fig, axes = plt.subplots(1, len(shaped), figsize=(3.2 * len(shaped) + 1.5, 3.8), squeeze=False)
+    for ax, name in zip(axes[0], shaped, strict=True):
+        entries = [results["links"][name]["runs"][label] for label in labels]
+        at = range(len(labels))
+        ax.bar([x - 0.2 for x in at], [e["measured_step_s"] for e in entries], 0.4, label="measured")
+        ax.bar([x + 0.2 for x in at], [e["predicted_step_s"] for e in entries], 0.4, label="predicted")
+        for x, entry in zip(at, entries, strict=True):
+            top = max(entry["measured_step_s"], entry["predicted_step_s"])
+            ax.annotate(f"{entry['error']:+.0%}", (x, top), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(at), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_title(f"{name}/s", fontsize=9)
+        ax.set_ylabel("s per training step")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{results['topology']}: measured vs lowcomm-wallclock's model (tiny OLMo)", fontsize=9)
+    path = out / "step_time_measured_vs_predicted.png"
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def format_table(results: dict) -> str:
-    lines = [f"Time per training step, {results['world_size']} gloo workers, tiny OLMo, {results['steps']} steps "
-             f"per run; predicted = unshaped step time + the run's metered traffic on the link "
-             f"(bandwidth / {results['world_size']} per rank, the measured framing per message), target within "
-             f"{TARGET:.0%}.", "",
+    if results.get("nodes", 1) > 1:
+        model = (f"on each node's veth: a world collective's crossing rank has the whole rate, FlexDeMo's "
+                 f"replicas across nodes 1/{results['ranks_per_node']} of it each, the measured framing per message; "
+                 f"the loopbacks' time is in the unshaped step time; kernel MB: every veth")
+    else:
+        model = (f"on the loopback: bandwidth / {results['world_size']} per rank, the measured framing per message; "
+                 "kernel MB: the loopback")
+    lines = [f"Time per training step, {results.get('topology', str(results['world_size']) + ' gloo workers')}, "
+             f"tiny OLMo, {results['steps']} steps per run; predicted = unshaped step time + the run's metered "
+             f"traffic {model}; target within {TARGET:.0%}.", "",
              "| link | optimizer | measured s/step | predicted s/step | error | traffic s/step | kernel MB/step "
              "| metered tx MB/step | framing B/message | final val loss |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -111,6 +111,31 @@ def test_intra_node_traffic_crosses_the_intra_node_link():
     assert item.seconds == pytest.approx([0.5 + (1 + 2 * 0.1) + (0.002 + 8 * 0.001)])
 
 
+def test_a_shared_inter_node_link_divides_among_the_ranks_that_cross_it_at_once():
+    # FlexDeMo on nodes of 2 ranks: of 3.5 MB in 14 messages, 2 MB in 8 inside the node, 1 MB in 4
+    # across (every rank of a node at once), 0.5 MB in 2 of world control traffic (a ring: one rank
+    # of the node at a time)
+    metrics = [{"step": 1, "comm/cum_tx_MB": 3.5, "comm/cum_messages": 14, "comm/cum_intra_tx_MB": 2.0,
+                "comm/cum_intra_messages": 8, "comm/cum_inter_tx_MB": 1.0, "comm/cum_inter_messages": 4}]
+    run = _record(_config("optimizer=flexdemo", "train.global_batch_size=16", "train.seq_len=128"), metrics,
+                  tokens_per_s=4096)
+    wan, nvlink = Link("wan", 8e6, 0.1, framing_bytes=1000), Link("nvlink", 8e9, 0.001)
+    intra = 2e6 / 1e9 + 8 * 0.001
+    world = (0.5e6 + 2 * 1000) / 1e6 + 2 * 0.1
+    own = timeline(run, wan, intra=nvlink)
+    assert own.seconds == pytest.approx([0.5 + world + ((1e6 + 4 * 1000) / 1e6 + 4 * 0.1) + intra])
+    shared = timeline(run, wan, intra=nvlink, ranks_per_link=2)
+    assert shared.seconds == pytest.approx([0.5 + world + (2 * (1e6 + 4 * 1000) / 1e6 + 4 * 0.1) + intra])
+    with pytest.raises(ValueError, match="at least 1"):
+        timeline(run, wan, ranks_per_link=0)
+
+
+def test_a_link_charges_its_framing_per_message_at_its_bandwidth():
+    assert Link("veth", 8e6, 0.0, framing_bytes=800).seconds(1e6, 10) == pytest.approx(1.008)
+    with pytest.raises(ValueError, match="framing"):
+        Link("veth", 8e6, 0.0, framing_bytes=-1)
+
+
 def test_a_run_without_message_counts_is_refused_by_name():
     metrics = [{"step": 1, "comm/cum_tx_MB": 1.0}]
     run = _record(_config(), metrics, tokens_per_s=4096, path="runs/old-run")

@@ -52,3 +52,29 @@ def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(t
     table = (tmp_path / "summary.md").read_text()
     assert "| 50Mbit | DeMo k=32 |" in table and "predicted" in table
     assert (tmp_path / "loss_vs_time_50Mbit.png").stat().st_size > 0
+    assert (tmp_path / "step_time_measured_vs_predicted.png").stat().st_size > 0
+
+
+def test_two_nodes_shape_each_veth_and_leave_the_loopbacks_alone(tmp_path):
+    """--nodes 2: a namespace per node, each node's veth shaped; FlexDeMo's replicas across nodes
+    share their node's veth (the model's ranks per link), its shard group stays on the loopback."""
+    if os.geteuid() != 0:
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    done = subprocess.run([sys.executable, str(WAN), "--nodes", "2", "--steps", "3", "--links", "50M",
+                           "--optimizers", "FlexDeMo k=32", "--out", str(tmp_path), "--work", str(tmp_path / "runs")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+    result = json.loads((tmp_path / "wan.json").read_text())
+    assert (result["nodes"], result["ranks_per_node"], result["world_size"]) == (2, 2, 4)
+    shaped_tc = result["links"]["50Mbit"]["tc"]
+    assert shaped_tc.count("rate 50Mbit") == 2  # both nodes' veths
+    unshaped, shaped = (result["links"][name]["runs"]["FlexDeMo k=32"] for name in ("unshaped", "50Mbit"))
+    assert unshaped["final_val_loss"] == shaped["final_val_loss"]
+    # the veths carry FlexDeMo's inter-node traffic only: far less than all it meters (the shard group's)
+    assert 0 < shaped["kernel_MB_per_step"] < shaped["metered_tx_MB_per_step"] / 10
+    assert shaped["framing_bytes_per_message"] > 0 and shaped["comm_s_per_step"] > 0
+    assert "2 nodes x 2 gloo workers" in (tmp_path / "summary.md").read_text()

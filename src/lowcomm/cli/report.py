@@ -163,6 +163,9 @@ def wallclock_main(argv: list[str] | None = None) -> int:
                              "1 Gbit/s WAN 10 ms, 10 Gbit/s Ethernet 50 us, 100 Gbit/s InfiniBand 5 us)")
     parser.add_argument("--intra-link", metavar="NAME:BANDWIDTH:LATENCY",
                         help="the link inside a node, for FlexDeMo's intra traffic (default: NVLink 3.6T, 3 us)")
+    parser.add_argument("--ranks-per-link", type=int, default=1, metavar="N",
+                        help="ranks of a node that share one inter-node link (default 1: a link per rank, as a "
+                             "NIC per GPU; the ranks per node when each node has one uplink, e.g. over a WAN)")
     parser.add_argument("--target-excess", type=float, metavar="LOSS",
                         help="excess validation loss over the Bayes floor to time (default: the largest of "
                              "the runs' best excess losses, which every run reaches)")
@@ -185,12 +188,15 @@ def wallclock_main(argv: list[str] | None = None) -> int:
         intra = parse_link(args.intra_link) if args.intra_link else INTRA_NODE
     except ValueError as exc:
         parser.error(str(exc))
+    if args.ranks_per_link < 1:
+        parser.error(f"--ranks-per-link must be >= 1, got {args.ranks_per_link}")
     selection, out_dir = _select(parser, args)
     runs, labels = selection.runs, distinct_labels(selection.runs)
     try:
-        per_link = [[timeline(run, link, intra=intra) for run in runs] for link in links]
+        per_link = [[timeline(run, link, intra=intra, ranks_per_link=args.ranks_per_link) for run in runs]
+                    for link in links]
         target = args.target_excess if args.target_excess is not None else default_target(per_link[0])
-        markdown, rows = wallclock_table(per_link, labels, target)
+        markdown, rows = wallclock_table(per_link, labels, target, args.ranks_per_link)
     except ValueError as exc:
         print(f"lowcomm-wallclock: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ Bytes are what a run counts; time is what a researcher pays. This module turns a
 metered traffic into time on a link, with one stated model:
 
     step time  = compute + max(0, comm - overlap x compute)
-    comm       = tx / bandwidth + messages x latency
+    comm       = (tx + messages x framing) / bandwidth + messages x latency
 
 - ``compute`` is the run's measured time per step (``summary.json``'s tokens/s, which times
   ``train_step`` alone; its own traffic went over loopback or shared memory, which the model
@@ -16,9 +16,16 @@ metered traffic into time on a link, with one stated model:
   before it is bandwidth-bound, and its one-bucket exchange (``optimizer.bucket_numel``) cuts the
   messages, not the bytes. (The quantized all-reduce's all-to-all sends its W-1 messages at
   once, not hop by hop, so the model charges it W-2 latencies too many: an upper bound.)
-- ``bandwidth`` is per rank and direction (each node has its own uplink); the traffic of a
-  hierarchical strategy's ``intra`` scope (FlexDeMo's sharding group, inside a node) crosses an
-  intra-node link instead.
+- ``bandwidth`` is per rank and direction: a link of its own for every rank (a NIC per GPU), or
+  one link per node shared by its ranks (``ranks_per_link``, e.g. a node's one uplink to a WAN).
+  On a shared link a world collective's ring still leaves each node from one rank at a time
+  (ranks placed node by node: one hop in W/nodes crosses, benchmarks/node_wire.py measures it),
+  so it has the whole link; the ``inter`` scope of a hierarchical strategy (FlexDeMo's replicas
+  across nodes) sends from every rank of the node at once, so each has 1/ranks_per_link of it.
+  The ``intra`` scope (FlexDeMo's sharding group, inside a node) crosses the intra-node link.
+- ``framing`` is what the wire adds to each message in bytes (TCP/IP headers and
+  acknowledgements, the backend's own headers; 0 unless given): benchmarks/wan.py measures it
+  from the kernel's byte counters.
 - ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce of every
   gradient bucket but the last runs during the backward pass (2/3 of a step; none for a model
   whose gradients fit one bucket), Streaming DiLoCo's fragments behind tau inner steps, the
@@ -31,6 +38,7 @@ its sync inside the window where it happens.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -46,21 +54,32 @@ MODEL_TEXT = ("step time = compute + max(0, comm - overlap x compute); comm = tx
 @dataclass(frozen=True)
 class Link:
     """A network link: ``bandwidth_bps`` bits per second per rank and direction, ``latency_s``
-    seconds per message (one hop of a ring collective)."""
+    seconds per message (one hop of a ring collective), ``framing_bytes`` the wire's own bytes
+    per message (headers, acknowledgements)."""
 
     name: str
     bandwidth_bps: float
     latency_s: float
+    framing_bytes: float = 0.0
 
     def __post_init__(self):
         if not self.bandwidth_bps > 0:
             raise ValueError(f"link {self.name!r}: bandwidth must be > 0, got {self.bandwidth_bps}")
         if not self.latency_s >= 0:
             raise ValueError(f"link {self.name!r}: latency must be >= 0, got {self.latency_s}")
+        if not self.framing_bytes >= 0:
+            raise ValueError(f"link {self.name!r}: framing must be >= 0 bytes, got {self.framing_bytes}")
 
     def seconds(self, tx_bytes: float, messages: float) -> float:
         """Time to send ``tx_bytes`` in ``messages`` messages, one after the other."""
-        return 8 * tx_bytes / self.bandwidth_bps + messages * self.latency_s
+        return 8 * (tx_bytes + messages * self.framing_bytes) / self.bandwidth_bps + messages * self.latency_s
+
+    def shared(self, ranks: int) -> Link:
+        """This link as each of ``ranks`` ranks sees it when they all send at once: 1/ranks of
+        the bandwidth, the same latency and framing."""
+        if ranks < 1:
+            raise ValueError(f"link {self.name!r}: shared by {ranks} ranks; at least 1")
+        return dataclasses.replace(self, bandwidth_bps=self.bandwidth_bps / ranks)
 
     def describe(self) -> str:
         return f"{self.name} ({_si(self.bandwidth_bps)}bit/s, {_duration(self.latency_s)} per message)"
@@ -168,23 +187,33 @@ def compute_seconds_per_step(run: RunRecord) -> float:
     return sum(windows) / len(windows)
 
 
-def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, compute_s: float | None = None,
-             overlap: float | None = None) -> Timeline:
-    """``run``'s logged steps placed in time on ``link`` (see the module's model)."""
+# The cumulative counters the model reads (comm/meter.py writes the scoped ones only for a
+# strategy with scopes other than the world: FlexDeMo's intra and inter).
+CUMULATIVE = {"tx": "comm/cum_tx_MB", "messages": "comm/cum_messages",
+               "intra_tx": "comm/cum_intra_tx_MB", "intra_messages": "comm/cum_intra_messages",
+               "inter_tx": "comm/cum_inter_tx_MB", "inter_messages": "comm/cum_inter_messages"}
+
+
+def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, ranks_per_link: int = 1,
+             compute_s: float | None = None, overlap: float | None = None) -> Timeline:
+    """``run``'s logged steps placed in time on ``link`` (see the module's model); ``ranks_per_link``
+    ranks of a node share it (1: a link per rank)."""
     compute = compute_seconds_per_step(run) if compute_s is None else compute_s
     out = Timeline(run, link, compute, comm_overlap(run) if overlap is None else overlap)
     records = [r for r in run.metrics if "comm/cum_tx_MB" in r]
     if records and "comm/cum_messages" not in records[-1]:
         raise ValueError(f"{run.path}: metrics.jsonl has no comm/cum_messages (written by lowcomm before the "
                          "wall-clock model); rerun it to place it in time")
-    last_step, last = 0, {"tx": 0.0, "messages": 0.0, "intra_tx": 0.0, "intra_messages": 0.0}
+    replicas = link.shared(ranks_per_link)  # the inter scope: every rank of the node sends at once
+    last_step, last = 0, dict.fromkeys(CUMULATIVE, 0.0)
     elapsed = 0.0
     for record in sorted(records, key=lambda r: r["step"]):
-        now = {"tx": record["comm/cum_tx_MB"] * 1e6, "messages": record["comm/cum_messages"],
-               "intra_tx": record.get("comm/cum_intra_tx_MB", 0.0) * 1e6,
-               "intra_messages": record.get("comm/cum_intra_messages", 0)}
+        now = {key: record.get(metric, 0.0) * (1e6 if metric.endswith("_MB") else 1)
+               for key, metric in CUMULATIVE.items()}
         delta = {key: now[key] - last[key] for key in now}
-        comm = (link.seconds(delta["tx"] - delta["intra_tx"], delta["messages"] - delta["intra_messages"])
+        comm = (link.seconds(delta["tx"] - delta["intra_tx"] - delta["inter_tx"],
+                             delta["messages"] - delta["intra_messages"] - delta["inter_messages"])
+                + replicas.seconds(delta["inter_tx"], delta["inter_messages"])
                 + intra.seconds(delta["intra_tx"], delta["intra_messages"]))
         steps = record["step"] - last_step
         elapsed += step_seconds(steps * compute, comm, out.overlap)
@@ -208,12 +237,16 @@ def default_target(timelines: list[Timeline]) -> float:
     return max(best)
 
 
-def wallclock_table(per_link: list[list[Timeline]], labels: list[str], target: float) -> tuple[str, list[dict]]:
+def wallclock_table(per_link: list[list[Timeline]], labels: list[str], target: float,
+                    ranks_per_link: int = 1) -> tuple[str, list[dict]]:
     """Markdown (one section per link) and rows from the runs' timelines on each link (each
     list in the order of ``labels``): per run, compute and traffic time per step, the time to
     reach ``target`` excess loss, and the whole run's time."""
     rows: list[dict] = []
-    lines = [f"Model: {MODEL_TEXT}.", f"Target: excess validation loss over the Bayes floor <= {target:.4f}.", ""]
+    shared = ("a link per rank" if ranks_per_link == 1 else
+              f"one link per node, shared by its {ranks_per_link} ranks")
+    lines = [f"Model: {MODEL_TEXT}; {shared}.",
+             f"Target: excess validation loss over the Bayes floor <= {target:.4f}.", ""]
     for timelines in per_link:
         link = timelines[0].link
         lines += [f"### {link.describe()}", "",
