@@ -168,3 +168,33 @@ def test_inter_node_share_of_a_ring():
     assert ring_inter_node_share(8, 8) == 0.0  # one node: nothing crosses
     assert ring_inter_node_share(64, 8) == 8 / 64  # one hop out of each of the 8 nodes
     assert ring_inter_node_share(16, 1) == 1.0  # every rank its own node
+
+
+def test_time_in_flight_counts_overlapping_intervals_once_and_never_a_wait():
+    meter = CommMeter()
+    meter.in_flight(0.0, 2.0, 2.5)  # in flight 0 -> 2, then blocked in its wait until 2.5
+    meter.in_flight(1.0, 3.0, 3.0)  # issued with it: only 2.5 -> 3 is new
+    meter.in_flight(0.5, 2.2, 2.2)  # inside what is counted: nothing new
+    meter.in_flight(5.0, 6.0, 7.0)
+    assert meter.take_in_flight_s() == pytest.approx(2.0 + 0.5 + 1.0)
+    assert meter.take_in_flight_s() == 0.0
+
+
+def _computes_while_in_flight(rank: int, world_size: int) -> tuple[float, float, list[float]]:
+    import time
+
+    comm = Communicator()
+    out = torch.empty(world_size * 4)
+    work = comm.all_gather_into_tensor(out, torch.full((4,), float(rank)), async_op=True)
+    time.sleep(0.2)  # this rank's "compute" while its all-gather is in flight
+    work.wait()
+    in_flight = comm.meter.take_in_flight_s()
+    comm.all_reduce(torch.ones(1))  # a blocking collective is never in flight
+    return in_flight, comm.meter.take_in_flight_s(), out[::4].tolist()
+
+
+def test_an_async_collective_is_timed_from_its_start_to_its_wait():
+    for in_flight, blocking, gathered in spawn_workers(_computes_while_in_flight, 2):
+        assert 0.2 <= in_flight < 2.0
+        assert blocking == 0.0
+        assert gathered == [0.0, 1.0]

@@ -101,6 +101,20 @@ def test_ddp_traffic_hides_behind_the_backward_pass():
     assert item.seconds == pytest.approx([0.5 + 1 - hidden, 2 * (0.5 + 1 - hidden)])
 
 
+def test_traffic_hides_behind_the_time_the_run_measured_it_in_flight():
+    # DeMo-like: 1 MB in 10 messages per step, compute 0.5 s, 0.3 s of each step computing with
+    # an all-gather in flight (perf/in_flight_s); link 1 MB/s, no latency
+    metrics = [{"step": s, "comm/cum_tx_MB": float(s), "comm/cum_messages": 10 * s, "perf/in_flight_s": 0.3}
+               for s in (1, 2)]
+    run = _record(_config("optimizer=demo", "train.global_batch_size=16", "train.seq_len=128"), metrics,
+                  tokens_per_s=4096)
+    item = timeline(run, Link("lab", 8e6, 0.0))
+    assert item.overlap == 0.0  # DeMo states none; the run measured 0.3 s
+    assert item.seconds == pytest.approx([0.5 + 1 - 0.3, 2 * (0.5 + 1 - 0.3)])
+    assert step_seconds(1.0, 0.2, 0.0, in_flight_s=0.5) == pytest.approx(1.0)  # all of it hidden
+    assert step_seconds(1.0, 1.0, 0.5, in_flight_s=0.2) == pytest.approx(1.5)  # the larger of the two
+
+
 def test_intra_node_traffic_crosses_the_intra_node_link():
     # FlexDeMo: of 3 MB in 10 messages, 2 MB in 8 messages inside the node
     metrics = [{"step": 1, "comm/cum_tx_MB": 3.0, "comm/cum_messages": 10, "comm/cum_intra_tx_MB": 2.0,

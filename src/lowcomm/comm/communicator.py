@@ -22,6 +22,7 @@ on ``control_device``: the CPU when a CPU backend is at hand (the group's own, o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -81,6 +82,26 @@ class _DoneWork:
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(self._result)
         return future
+
+
+class _TimedWork:
+    """A ``dist.Work`` whose ``wait()`` tells the meter how long the collective was in flight
+    before it (:meth:`CommMeter.in_flight`): the time the caller went on working while its
+    traffic moved. Only ``wait`` is timed: a future's callback (DDP's comm hook) runs at the
+    backend's pace, not the caller's. On a GPU the time is the host's, which queues kernels
+    ahead of the device: an upper bound on the device's own overlap."""
+
+    def __init__(self, work, meter: CommMeter):
+        self._work, self._meter, self._issued = work, meter, time.perf_counter()
+
+    def wait(self, timeout=None) -> bool:
+        waited = time.perf_counter()
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._meter.in_flight(self._issued, waited, time.perf_counter())
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -179,6 +200,11 @@ class Communicator:
         backend = self.control_served if group is not None and group is self.control_group else self.served
         return set(backend.values()) <= _AVG_BACKENDS
 
+    def _timed(self, work):
+        """An async collective's work, timed in flight (:class:`_TimedWork`); None (a blocking
+        call) as it is."""
+        return None if work is None else _TimedWork(work, self.meter)
+
     # -------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
         """In-place all-reduce. ``op="avg"`` is the backend's AVG (no extra pass over the tensor);
@@ -191,7 +217,7 @@ class Communicator:
         if op == "avg" and not self._native_avg(group):
             tensor.div_(self.world_size)
             op = "sum"
-        return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+        return self._timed(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op))
 
     def all_gather(
         self, tensor: torch.Tensor, *, async_op: bool = False, purpose: str = "data"
@@ -205,7 +231,7 @@ class Communicator:
             return (gathered, _DoneWork(gathered)) if async_op else gathered
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, tensor.contiguous(), group=group, async_op=async_op)
-        return (gathered, work) if async_op else gathered
+        return (gathered, self._timed(work)) if async_op else gathered
 
     def all_gather_into_tensor(
         self, output: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False, purpose: str = "data"
@@ -217,7 +243,7 @@ class Communicator:
         if not self.distributed:
             output.view(-1).copy_(tensor.reshape(-1))
             return _DoneWork([output]) if async_op else None
-        return dist.all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
+        return self._timed(dist.all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op))
 
     def reduce_scatter(
         self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
@@ -236,9 +262,9 @@ class Communicator:
         if op == "avg" and not self._native_avg(group):
             tensor = tensor / self.world_size
             op = "sum"
-        return dist.reduce_scatter_single(
+        return self._timed(dist.reduce_scatter_single(
             output, tensor.contiguous(), op=_OPS[op], group=group, async_op=async_op
-        )
+        ))
 
     def all_reduce_quantized(
         self, tensors: Sequence[torch.Tensor], codec, *, out: Sequence[torch.Tensor] | None = None,
@@ -289,7 +315,7 @@ class Communicator:
                      quantized_all_reduce_traffic(exchange.chunk_bytes, self.rank, world), "data")
         exchange.start()
         if async_op:
-            return exchange
+            return self._timed(exchange)
         exchange.wait()
         return None
 
@@ -302,7 +328,7 @@ class Communicator:
         if not self.distributed:
             return _DoneWork([tensor]) if async_op else None
         global_src = dist.get_global_rank(group, src) if group is not None else src
-        return dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
+        return self._timed(dist.broadcast(tensor, src=global_src, group=group, async_op=async_op))
 
     def barrier(self) -> None:
         """A metered barrier: an all-reduce of one int (the backend's own barrier would be

@@ -187,6 +187,11 @@ class CommMeter:
     steps_closed: int = 0
     # the largest data payload of one closed step (a burst such as DiLoCo's synchronisation)
     peak_step_payload: int = 0
+    # seconds this rank went on computing while an asynchronous collective of its was in flight
+    # (issued, not yet waited for), since the last take_in_flight_s; and the end of the latest
+    # such interval, so that overlapping ones count once
+    _in_flight_s: float = 0.0
+    _in_flight_until: float = float("-inf")
 
     def record(
         self,
@@ -205,6 +210,24 @@ class CommMeter:
         totals.tx += int(tx)
         totals.rx += int(rx)
         totals.messages += int(messages)
+
+    def in_flight(self, issued: float, waited: float, returned: float) -> None:
+        """An asynchronous collective issued at ``issued`` was waited for from ``waited`` to
+        ``returned`` (``time.perf_counter`` seconds): from its start to the wait, this rank had
+        traffic in flight while it went on with other work, time that traffic could hide behind.
+        Time is counted once however many collectives were in flight, and never while this
+        rank was blocked in an earlier wait (two all-gathers issued together and waited for in
+        turn: the second adds only what passed after the first returned)."""
+        start = max(issued, self._in_flight_until)
+        if waited > start:
+            self._in_flight_s += waited - start
+        self._in_flight_until = max(self._in_flight_until, returned)
+
+    def take_in_flight_s(self) -> float:
+        """Seconds of :meth:`in_flight` time since the last call (the training loop logs them
+        per window as ``perf/in_flight_s``; the wall-clock model reads them)."""
+        seconds, self._in_flight_s = self._in_flight_s, 0.0
+        return seconds
 
     # ----------------------------------------------------------------- reading
     def _sum(self, table, *, purpose: str, scope: str | None) -> _Totals:

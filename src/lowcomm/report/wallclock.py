@@ -29,7 +29,10 @@ metered traffic into time on a link, with one stated model:
 - ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce of every
   gradient bucket but the last runs during the backward pass (2/3 of a step; none for a model
   whose gradients fit one bucket), Streaming DiLoCo's fragments behind tau inner steps, the
-  others not at all.
+  others not at all. Where the run measured more (``perf/in_flight_s``: the time each step went
+  on computing while an asynchronous collective of its was in flight, e.g. DeMo's all-gather
+  of one bucket while it encodes the next), the traffic hides behind that much instead:
+  ``overlap x compute`` becomes ``max(overlap x compute, in flight)``.
 
 The model is applied window by window between logged steps, from the cumulative counters
 (``comm/cum_tx_MB``, ``comm/cum_messages``), so that a strategy that syncs every H steps pays
@@ -123,9 +126,10 @@ def parse_bandwidth(text: str) -> float:
     return float(match.group(1)) * _SI[match.group(2)]
 
 
-def step_seconds(compute_s: float, comm_s: float, overlap: float) -> float:
-    """One step (or window): compute, plus the traffic that the compute could not hide."""
-    return compute_s + max(0.0, comm_s - overlap * compute_s)
+def step_seconds(compute_s: float, comm_s: float, overlap: float, in_flight_s: float = 0.0) -> float:
+    """One step (or window): compute, plus the traffic that the compute could not hide: the
+    strategy's ``overlap`` share of it, or the ``in_flight_s`` the run measured, the larger."""
+    return compute_s + max(0.0, comm_s - max(overlap * compute_s, in_flight_s))
 
 
 @dataclass
@@ -216,7 +220,7 @@ def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, ranks_per_
                 + replicas.seconds(delta["inter_tx"], delta["inter_messages"])
                 + intra.seconds(delta["intra_tx"], delta["intra_messages"]))
         steps = record["step"] - last_step
-        elapsed += step_seconds(steps * compute, comm, out.overlap)
+        elapsed += step_seconds(steps * compute, comm, out.overlap, steps * record.get("perf/in_flight_s", 0.0))
         out.comm_s += comm
         out.steps.append(record["step"])
         out.seconds.append(elapsed)

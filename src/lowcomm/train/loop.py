@@ -200,6 +200,9 @@ class Trainer:
                 elapsed = self.clock() - window_t0
                 record["perf/tokens_per_s"] = tokens_per_step * window_steps / elapsed
                 record["perf/step_s"] = elapsed / window_steps
+                in_flight = self.comm.meter.take_in_flight_s()
+                if in_flight > 0:  # asynchronous collectives in flight while this rank computed
+                    record["perf/in_flight_s"] = in_flight / window_steps
                 window_t0, window_steps = self.clock(), 0
             if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
                 val_loss = self.validate()
