@@ -220,3 +220,16 @@ def test_the_command_names_a_bad_link(tmp_path, capsys):
     with pytest.raises(SystemExit):
         wallclock_main(["--runs", str(tmp_path / "*"), "--link", "wan:1G"])
     assert "NAME:BANDWIDTH:LATENCY" in capsys.readouterr().err
+
+
+def test_the_command_states_a_shared_link_and_refuses_a_share_of_none(tmp_path, capsys):
+    summary = {"tokens_per_s": 4096, "bayes_floor": FLOOR, "world_size": 4, "final_val_loss": 2.5}
+    _write_run(tmp_path / "runs" / "a", _config("optimizer=diloco", "optimizer.sync_every=2",
+                                                "train.global_batch_size=16", "train.seq_len=128",
+                                                "label=DiLoCo"), _sync_every_two(), summary)
+    assert wallclock_main(["--runs", str(tmp_path / "runs" / "*"), "--link", "lab:8M:100ms", "--ranks-per-link", "8",
+                           "--target-excess", "0.75", "--out", str(tmp_path / "out"), "--formats", "png"]) == 0
+    assert "one link per node, shared by its 8 ranks" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        wallclock_main(["--runs", str(tmp_path / "runs" / "*"), "--ranks-per-link", "0"])
+    assert "--ranks-per-link must be >= 1" in capsys.readouterr().err
