@@ -24,9 +24,18 @@ def _int_error(key: str, value: Any, minimum: int) -> list[str]:
     return []
 
 
+def collective_timeout_errors(cluster: ClusterSpec) -> list[str]:
+    """The collective timeout's check, for every launcher (a local run's collectives wait too)."""
+    value = cluster.collective_timeout_s
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return [f"cluster.collective_timeout_s must be a whole number of seconds >= 1 (how long a collective "
+                f"waits for its peers before the run stops), got {value!r}"]
+    return []
+
+
 def cluster_errors(cluster: ClusterSpec) -> list[str]:
     """Every problem of a SLURM profile's fields, each naming its key."""
-    errors: list[str] = []
+    errors: list[str] = collective_timeout_errors(cluster)
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
         errors += _int_error(key, getattr(cluster, key), minimum=1)
     for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):
@@ -50,6 +59,11 @@ def cluster_errors(cluster: ClusterSpec) -> list[str]:
         errors.append(
             f"cluster.signal_delay_s ({cluster.signal_delay_s}) must be shorter than the time limit "
             f"(cluster.timeout_min = {cluster.timeout_min} min)"
+        )
+    if cluster.collective_timeout_s >= cluster.timeout_min * 60:
+        errors.append(
+            f"cluster.collective_timeout_s ({cluster.collective_timeout_s}) must be shorter than the time limit "
+            f"(cluster.timeout_min = {cluster.timeout_min} min): a lost node would hold the job to its end"
         )
     signal_name = cluster.signal.removeprefix("SIG") if isinstance(cluster.signal, str) else ""
     if not hasattr(signal, f"SIG{signal_name}") or signal_name in _UNUSABLE_SIGNALS:

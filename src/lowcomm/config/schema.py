@@ -93,6 +93,7 @@ class ClusterSpec:
     max_requeues: int = 3  # time-outs requeued at most this often (preemptions always are)
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
     additional_parameters: dict[str, Any] = field(default_factory=dict)  # extra #SBATCH options
+    collective_timeout_s: int = 900  # a collective's wait for its peers (every launcher)
 
     @property
     def world_size(self) -> int:
@@ -147,6 +148,9 @@ class RunConfig:
 
 # The keys of a composed config: its sections (the config groups, plus train and wandb) and a
 # few scalars. Anything else (a typo such as `+optimzer=demo`) is an error, never silently kept.
+# What a run had before lowcomm set a collective timeout: torch's default for gloo groups.
+TORCH_DEFAULT_TIMEOUT_S = 1800
+
 SECTIONS = ("model", "optimizer", "compression", "data", "train", "cluster", "wandb")
 TOP_LEVEL_KEYS = (*SECTIONS, "experiment", "experiment_name", "run_root", "run_name", "label", "seed")
 
@@ -161,8 +165,13 @@ def load_run_config(path: str | Path) -> DictConfig:
       all-reduce): ``all_gather``, the only exchange before it.
     - SparseLoCo's ``wire: paper`` is now ``reference``; its ``binning: reference`` was the only
       quantizer kept and the key is gone (``symmetric`` has no equivalent now and is reported).
+    - ``cluster.collective_timeout_s``: 1800, torch's default process-group timeout on gloo, which
+      every group of such a run had (lowcomm set none).
     """
     cfg = OmegaConf.load(path)
+    cluster = cfg.get("cluster")
+    if isinstance(cluster, DictConfig) and "collective_timeout_s" not in cluster:
+        cluster["collective_timeout_s"] = TORCH_DEFAULT_TIMEOUT_S
     optimizer = cfg.get("optimizer")
     if optimizer is None:
         return cfg
