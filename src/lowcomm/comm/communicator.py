@@ -22,6 +22,7 @@ on ``control_device``: the CPU when a CPU backend is at hand (the group's own, o
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Sequence
 
@@ -117,6 +118,10 @@ class Communicator:
         meter: where bytes are recorded; sub-communicators share their parent's.
         scope: the label of the link this group's traffic crosses (``world``, ``intra``,
             ``inter``); it becomes the ``comm/<scope>_*`` keys when more than one is used.
+        timeout: how long a collective of the groups this Communicator creates (its control
+            group, :meth:`split`'s sub-groups) waits for its peers. torch's ``new_group`` does
+            not inherit the default group's timeout (it takes the backend's default: 30 min on
+            gloo), so it is passed explicitly; None leaves torch's default.
     """
 
     def __init__(
@@ -127,8 +132,10 @@ class Communicator:
         *,
         device: torch.device | str | None = None,
         control_group=None,
+        timeout: datetime.timedelta | None = None,
     ):
         self.group = group
+        self.timeout = timeout
         self.meter = meter if meter is not None else CommMeter()
         self.scope = scope
         # None: data on any device the backend serves (an optimizer used outside the harness)
@@ -152,15 +159,17 @@ class Communicator:
             self.control_device = self.device or torch.device(next(iter(self.served)))
 
     @classmethod
-    def world(cls, device: torch.device | str, meter: CommMeter | None = None) -> Communicator:
+    def world(cls, device: torch.device | str, meter: CommMeter | None = None,
+              timeout: datetime.timedelta | None = None) -> Communicator:
         """The Communicator of the default group for data on ``device``. If that group has no
         CPU backend (``init_process_group("nccl")``), a gloo group beside it carries the control
         traffic, so that a barrier or a flag never needs a GPU tensor. Every rank must call it
-        (creating a group is collective)."""
+        (creating a group is collective). ``timeout``: the default group's, given to every group
+        created from here."""
         control_group = None
         if dist.is_available() and dist.is_initialized() and "cpu" not in backend_devices():
-            control_group = dist.new_group(backend="gloo")
-        return cls(meter=meter, device=device, control_group=control_group)
+            control_group = dist.new_group(backend="gloo", timeout=timeout)
+        return cls(meter=meter, device=device, control_group=control_group, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"Communicator(scope={self.scope!r}, rank={self.rank}, world_size={self.world_size})"
@@ -358,17 +367,17 @@ class Communicator:
         this with the same list) and return the Communicator of the group holding this rank.
         The sub-communicator shares this meter and records under ``scope``."""
         if not (dist.is_available() and dist.is_initialized()):
-            return Communicator(meter=self.meter, scope=scope, device=self.device)
+            return Communicator(meter=self.meter, scope=scope, device=self.device, timeout=self.timeout)
         # a real group even at world size 1: FSDP's device mesh is built from it
         mine = None
         for ranks in groups:
-            group = dist.new_group(ranks=list(ranks))
+            group = dist.new_group(ranks=list(ranks), timeout=self.timeout)
             if self.global_rank in ranks:
                 mine = group
         if mine is None:
             raise ValueError(f"global rank {self.global_rank} is in none of the groups {groups}")
         # no control group: a sub-group's control traffic (FSDP's validation gathers) is on the data device
-        return Communicator(group=mine, meter=self.meter, scope=scope, device=self.device)
+        return Communicator(group=mine, meter=self.meter, scope=scope, device=self.device, timeout=self.timeout)
 
 
 class _QuantizedExchange:
