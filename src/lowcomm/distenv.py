@@ -36,6 +36,14 @@ class DistEnv:
         return all(key in os.environ for key in _REQUIRED)
 
 
+def rendezvous_address() -> tuple[str, int] | None:
+    """``(MASTER_ADDR, MASTER_PORT)``, the host every rank met at; None outside a process group's
+    environment."""
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0"))
+
+
 def local_layout(rank: int, world_size: int) -> tuple[int, int]:
     """``(local rank, ranks on this node)``; a process started without them (one node, or a
     test that sets only RANK and WORLD_SIZE) is taken to be alone on its node with all ranks."""

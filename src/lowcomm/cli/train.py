@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowcomm.launch.local import Interrupted, WorkerFailure
     from lowcomm.launch.lock import RunDirLocked
     from lowcomm.launch.slurm import SlurmUnavailable
+    from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 
     try:
         cfg = compose(args.overrides)
@@ -111,7 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 2
-    except (WorkerFailure, SlurmUnavailable, RunDirLocked, DataError, FileNotFoundError) as exc:
+    except WorkerFailure as exc:
+        if exc.reported:  # the worker printed what it lost and where the run resumes
+            return EXIT_PEERS_LOST
+        print(f"lowcomm-train: {exc}", file=sys.stderr)
+        return 1
+    except PeersLost as lost:  # under torchrun: this process is one rank
+        if lost.reports:
+            print(lost.line(), flush=True)
+        lost.leave()
+        return EXIT_PEERS_LOST
+    except (SlurmUnavailable, RunDirLocked, DataError, FileNotFoundError) as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 1
     except Interrupted as exc:

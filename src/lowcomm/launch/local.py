@@ -24,6 +24,7 @@ from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
 from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.train.peers import EXIT_PEERS_LOST
 from lowcomm.train.worker import LAUNCHED_LOCALLY
 
 
@@ -40,7 +41,11 @@ class Interrupted(RuntimeError):
 class WorkerFailure(RuntimeError):
     def __init__(self, rank: int, returncode: int):
         self.rank, self.returncode = rank, returncode
+        # a worker that lost its peers has printed the line that says which, and where to resume
+        self.reported = returncode == EXIT_PEERS_LOST
         how = f"killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+        if self.reported:
+            how = "stopped: it lost peers (see the line above)"
         if returncode == -signal.SIGBUS:
             how += " (SIGBUS: a memory-mapped data file shrank or changed while the run read it)"
         super().__init__(f"worker rank {rank} {how}")
@@ -164,6 +169,7 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGCONT)  # a stopped worker (SIGSTOP) acts on the TERM only now
     deadline = time.monotonic() + 10
     for proc in procs:
         try:

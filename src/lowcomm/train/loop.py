@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import json
 import logging
@@ -22,9 +23,10 @@ from lowcomm.config import RunConfig
 from lowcomm.data import BatchOrder, open_data, validation_indices
 from lowcomm.distenv import DistEnv
 from lowcomm.models import build_model, count_parameters
-from lowcomm.rundir import RunDir
+from lowcomm.rundir import RunDir, list_checkpoints
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
+from lowcomm.train.peers import PeerTable
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 
 log = logging.getLogger("lowcomm.train")
@@ -54,13 +56,14 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, device: torch.device) -> None:
+def init_distributed(env: DistEnv, device: torch.device, timeout: datetime.timedelta | None = None) -> None:
     """NCCL for data on GPUs (eagerly bound to this rank's device), gloo on CPUs. The control
-    traffic's gloo group beside NCCL is :meth:`Communicator.world`'s."""
+    traffic's gloo group beside NCCL is :meth:`Communicator.world`'s. ``timeout``: how long a
+    collective waits for its peers (``cluster.collective_timeout_s``; None: torch's default)."""
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, timeout=timeout)
 
 
 class DeviceClock:
@@ -102,11 +105,18 @@ class Trainer:
         threads = run.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
         self.device = pick_device(run.cluster.device, env.local_rank)
-        init_distributed(env, self.device)
+        timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
+        init_distributed(env, self.device, timeout)
         self.clock = DeviceClock(self.device)
-        self.comm = Communicator.world(self.device)
+        self.comm = Communicator.world(self.device, timeout=timeout)
         self.is_main = self.comm.rank == 0
         self.run_dir = run.run_dir
+        self.peers = PeerTable.gather(self.comm, run.cluster.collective_timeout_s)
+        with self.peers.watch(self.last_checkpoint_step):
+            self._build()
+
+    def _build(self) -> None:
+        run = self.run
         train = run.train
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -121,6 +131,11 @@ class Trainer:
         self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.comm.rank,
                                 self.comm.world_size, train.micro_batch_size, seed=run.seed)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints)
+
+    def last_checkpoint_step(self) -> int | None:
+        """The newest complete checkpoint's step (what a rerun resumes from), None when none."""
+        newest = list_checkpoints(RunDir(self.run_dir).checkpoints)
+        return int(newest[0].name.split("_")[1]) if newest else None
 
     # ----------------------------------------------------------------- pieces
     def train_step(self, step: int) -> torch.Tensor:
@@ -170,6 +185,12 @@ class Trainer:
 
     # ------------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
+        """Train to ``train.max_steps`` (or a stop request); a collective that fails because peers
+        are gone raises :class:`~lowcomm.train.peers.PeersLost` naming them."""
+        with self.peers.watch(self.last_checkpoint_step):
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         run, train = self.run, self.run.train
         restored = self.checkpoints.restore_latest(self.model, self.optimizer)
         start = restored.step if restored else 0
@@ -272,6 +293,7 @@ class Trainer:
         if not dist.is_initialized():
             return
         self.comm.barrier()
+        self.peers.close()
         self.model = self.optimizer = self.strategy = self.checkpoints = None
         gc.collect()
         time.sleep(0.01)  # releases the GIL: gloo's threads finish releasing the last works

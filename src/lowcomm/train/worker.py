@@ -13,6 +13,7 @@ import warnings
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv
 from lowcomm.train.loop import train
+from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import StopFlag
 
 # Set by lowcomm's local launcher, which reports an interruption itself (once, not per rank).
@@ -32,7 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C (SIGINT to the terminal's process group): checkpoint at the next step boundary.
     stop = StopFlag.install(signal.SIGINT)
     run = validate(load_run_config(argv[0]))
-    result = train(run, env, should_stop=stop)
+    try:
+        result = train(run, env, should_stop=stop)
+    except PeersLost as lost:
+        # one line per node instead of a traceback per rank; a rerun resumes from the checkpoint
+        if lost.reports:
+            print(lost.line(), flush=True)
+        lost.leave()
+        return EXIT_PEERS_LOST
     if result.preempted and env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
         print(f"[lowcomm] interrupted: stopped at step {result.final_step} with a checkpoint in "
               f"{result.run_dir}; run the same command to resume", flush=True)

@@ -1,0 +1,188 @@
+"""A node that disappears, or a rank that stops: collectives wait ``cluster.collective_timeout_s``
+(set on every process group lowcomm creates), then the surviving ranks stop with one line naming
+what they lost and the checkpoint a rerun resumes from (``lowcomm.train.peers``); under SLURM
+the job is requeued and resumes by itself.
+
+- the key: validated before anything starts, stated by every profile, 1800 s (torch's default,
+  what such runs had) for a run directory written before it;
+- the probe that tells a live rank from a gone, a stopped and an unreachable one, on sockets;
+- 2 nodes x 2 ranks under torchrun (network namespaces, root): node 1's link goes down mid-run,
+  node 0's ranks stop within the timeout naming node 1 and ranks 2, 3; the same command
+  afterwards resumes from the last checkpoint and finishes;
+- a SLURM job (the local one-node cluster) whose rank 1 is stopped (SIGSTOP) is requeued by
+  rank 0 and finishes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lowcomm.config import ConfigError, load_run_config, slurm_profile, validate
+from lowcomm.launch.local import prepare_run_dir
+from lowcomm.paths import config_dir
+from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.train.peers import ANSWERS, GONE, SILENT, UNREACHABLE, Beacon, Diagnosis, Peer, probe
+from netns_helpers import need_iproute2
+from runs import tiny_run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+
+# ------------------------------------------------------------------------------------ the key
+def test_every_profile_states_its_collective_timeout_and_the_launchers_differ():
+    profiles = {path.stem: OmegaConf.load(path) for path in sorted((config_dir() / "cluster").glob("*.yaml"))}
+    assert all("collective_timeout_s" in profile for profile in profiles.values()), sorted(profiles)
+    # a laptop notices a stuck worker in minutes; a 64-GPU job waits out a 1B checkpoint (~5 min at 1 GB/s)
+    assert profiles["local"].collective_timeout_s <= 120
+    assert profiles["slurm_64gpu"].collective_timeout_s >= 600
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "cluster.collective_timeout_s must be a whole number of seconds >= 1"),
+    ("-5", "cluster.collective_timeout_s must be a whole number of seconds >= 1"),
+    ("ten", "cluster.collective_timeout_s: Value 'ten'"),
+])
+def test_a_bad_collective_timeout_is_refused_naming_the_key(tmp_path, value, message):
+    for cluster in ("local", "slurm_debug"):
+        with pytest.raises(ConfigError, match=message):
+            tiny_run(tmp_path, f"cluster={cluster}", f"cluster.collective_timeout_s={value}")
+
+
+def test_a_collective_timeout_beyond_the_jobs_time_limit_is_refused():
+    with pytest.raises(ConfigError, match=r"cluster.collective_timeout_s \(1800\) must be shorter than the time "
+                                          r"limit \(cluster.timeout_min = 30 min\)"):
+        slurm_profile({"timeout_min": 30, "collective_timeout_s": 1800})
+
+
+def test_a_run_directory_written_before_the_key_loads_with_torchs_default(tmp_path):
+    run = tiny_run(tmp_path)
+    saved = OmegaConf.create(run.raw)
+    del saved.cluster["collective_timeout_s"]
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(saved, path)
+
+    upgraded = validate(load_run_config(path))
+
+    assert upgraded.cluster.collective_timeout_s == 1800
+    assert upgraded.run_name == run.run_name  # the cluster section is not part of the name
+
+
+# ---------------------------------------------------------------------------------- the probe
+def test_the_probe_tells_a_live_rank_from_a_gone_a_stopped_and_an_unreachable_one():
+    beacon = Beacon()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: refused, as for a killed process
+    stopped = socket.create_server(("127.0.0.1", 0))  # listens, never answers: a stopped process
+    # a full accept queue drops every further SYN: no answer at all, as from an unreachable host
+    silent_host = socket.create_server(("127.0.0.1", 0), backlog=0)
+    queued = socket.create_connection(silent_host.getsockname())
+    try:
+        assert probe("127.0.0.1", beacon.port) == ANSWERS
+        assert probe("127.0.0.1", closed_port) == GONE
+        assert probe("127.0.0.1", stopped.getsockname()[1], timeout_s=0.3) == SILENT
+        assert probe("127.0.0.1", silent_host.getsockname()[1], timeout_s=0.3) == UNREACHABLE
+    finally:
+        for sock in (stopped, queued, silent_host):
+            sock.close()
+        beacon.close()
+
+
+def _diagnosis(states: dict[int, str], *, rank: int = 0, departed=(), timed_out: bool = True) -> Diagnosis:
+    peers = tuple(Peer(r, f"node{r // 2}", "", 0) for r in range(4))
+    return Diagnosis(rank, peers, states, frozenset(departed), timed_out, 15)
+
+
+def test_the_line_names_a_lost_node_or_the_ranks_and_why():
+    node = _diagnosis({1: ANSWERS, 2: UNREACHABLE, 3: UNREACHABLE})
+    assert node.summary() == "lost node node1 (ranks 2, 3): no answer within 15 s (cluster.collective_timeout_s)"
+    assert node.lost == [2, 3] and node.reports and node.leads
+    assert not _diagnosis({0: ANSWERS, 2: UNREACHABLE, 3: UNREACHABLE}, rank=1).reports
+
+    mixed = _diagnosis({0: ANSWERS, 1: SILENT, 3: GONE}, rank=2)
+    assert mixed.summary() == ("lost rank 1 on node0: stopped or hung, no answer within 15 s "
+                               "(cluster.collective_timeout_s); and rank 3 on node1: its process is gone")
+    assert mixed.reports and not mixed.leads  # rank 0 answered: it leads
+    # a survivor that left first (it said farewell) is not lost
+    assert _diagnosis({1: GONE, 2: GONE, 3: ANSWERS}, departed={1}).lost == [2]
+
+
+# ------------------------------------------------------------------ a node drops off the network
+DROP_TIMEOUT_S = 10  # the collective timeout of the node tests: short, but above start-up's skew
+# What the survivors may take beyond the timeout: the step in flight, the probe of the lost node's
+# beacons (2 s), the farewells and torchrun's own exit.
+SLACK_S = 8
+
+
+def _torchrun(node, index: int, nodes, config_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node", "2",
+            "--node-rank", str(index), "--master-addr", nodes[0].hostname, "--master-port", "29751",
+            "-m", "lowcomm.train.worker", str(config_path)]
+    return subprocess.Popen(node.command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})
+
+
+def _logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+@pytest.mark.slow
+def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_same_command_resumes(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    from netns import node_network
+
+    need_iproute2()
+    steps = 24
+    run = tiny_run(tmp_path, "train.checkpoint_every=3", f"cluster.collective_timeout_s={DROP_TIMEOUT_S}",
+                   workers=4, max_steps=steps)
+    config_path = prepare_run_dir(run)
+    with node_network(2, prefix="lcdrop") as nodes:
+        procs = [_torchrun(node, index, nodes, config_path) for index, node in enumerate(nodes)]
+        try:
+            deadline = time.monotonic() + 180
+            while _logged_steps(run.run_dir) < 7:  # a checkpoint at step 6 and a step beyond it
+                assert all(proc.poll() is None for proc in procs), [proc.communicate()[0][-3000:] for proc in procs]
+                assert time.monotonic() < deadline, "the run did not start"
+                time.sleep(0.05)
+            subprocess.run(["ip", "-n", nodes[1].namespace, "link", "set", "eth0", "down"], check=True)
+            down = time.monotonic()
+            out0 = procs[0].communicate(timeout=DROP_TIMEOUT_S + 60)[0]
+            stopped_after = time.monotonic() - down
+            out1 = procs[1].communicate(timeout=60)[0]  # the cut-off node gives up as well
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()  # torchrun stops its workers
+                    proc.wait(timeout=60)
+        print(f"node 0 stopped {stopped_after:.1f} s after its link went down; node 1 said:\n"
+              + "\n".join(line for line in out1.splitlines() if line.startswith("[lowcomm] lost")))
+        assert procs[0].returncode != 0 and procs[1].returncode != 0
+        assert stopped_after < DROP_TIMEOUT_S + SLACK_S, out0[-3000:]
+        last = int(list_checkpoints(RunDir(run.run_dir).checkpoints)[0].name.split("_")[1])
+        assert 6 <= last < steps
+        lost = [line for line in out0.splitlines() if line.startswith("[lowcomm] lost")]
+        assert lost == [f"[lowcomm] lost node {nodes[1].hostname} (ranks 2, 3): no answer within {DROP_TIMEOUT_S} s "
+                        f"(cluster.collective_timeout_s); the last checkpoint is step {last}; rerun the same command "
+                        "to resume"], out0[-3000:]
+        assert "Traceback" not in out0.split("[lowcomm] lost")[0][-5000:]  # no rank's traceback before it
+
+        subprocess.run(["ip", "-n", nodes[1].namespace, "link", "set", "eth0", "up"], check=True)
+        procs = [_torchrun(node, index, nodes, config_path) for index, node in enumerate(nodes)]
+        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [out[-3000:] for out in outputs]
+    assert f"resuming from step_{last:09d}" in outputs[0]
+    summary = json.loads(RunDir(run.run_dir).summary.read_text())
+    assert summary["steps"] == steps
