@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,13 +27,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from lowcomm.cli.train import run_config
 from lowcomm.config import ConfigError, load_run_config, slurm_profile, validate
+from lowcomm.config.compose import compose
 from lowcomm.launch.local import prepare_run_dir
 from lowcomm.paths import config_dir
 from lowcomm.rundir import RunDir, list_checkpoints
 from lowcomm.train.peers import ANSWERS, GONE, SILENT, UNREACHABLE, Beacon, Diagnosis, Peer, probe
 from netns_helpers import need_iproute2
-from runs import tiny_run
+from runs import SMALL_SYNTHETIC, TINY, tiny_run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -186,3 +189,60 @@ def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_s
     assert f"resuming from step_{last:09d}" in outputs[0]
     summary = json.loads(RunDir(run.run_dir).summary.read_text())
     assert summary["steps"] == steps
+
+
+# ------------------------------------------------------------------------- a rank stops in SLURM
+def _task_pid(job_id: str, task: int) -> int | None:
+    """The process of task ``task`` of SLURM job ``job_id`` (submitit's task runner)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURM_PROCID={task}".encode() in environ
+                and b"submitit.core._submit" in cmdline):
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_slurm_job_whose_rank_stops_is_requeued_by_the_survivor_and_resumes(local_slurm, tmp_path):  # noqa: ARG001
+    """Issue 27's stuck worker under SLURM, where a node cannot be lost: rank 1 is stopped, rank 0
+    gives up after the collective timeout, names it, requeues the job (one of slurm_debug's
+    max_requeues) and the requeued job finishes from the last periodic checkpoint."""
+    steps = 30
+    run_dir = run_config(compose([*TINY, *SMALL_SYNTHETIC, "cluster=slurm_debug", f"train.max_steps={steps}",
+                                  "train.checkpoint_every=3", f"cluster.collective_timeout_s={DROP_TIMEOUT_S}",
+                                  f"run_root={tmp_path}"]))
+    slurm_dir = RunDir(run_dir).slurm_dir
+    job_id = json.loads((slurm_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+    deadline = time.monotonic() + 120
+    while _logged_steps(run_dir) < 7 or (pid := _task_pid(job_id, 1)) is None:
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGSTOP)
+
+    deadline = time.monotonic() + 180
+    while not RunDir(run_dir).summary.is_file():
+        state = subprocess.run(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"],
+                               capture_output=True, text=True).stdout.strip()
+        logs = "\n".join(path.read_text()[-3000:] for path in sorted(slurm_dir.glob("*_log.*")))
+        assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), f"job {job_id} ended {state}:\n{logs}"
+        assert time.monotonic() < deadline, f"the job did not finish (state {state}):\n{logs}"
+        time.sleep(0.5)
+
+    task0 = (slurm_dir / f"{job_id}_0_log.out").read_text()
+    assert task0.count(f"Starting with JobEnvironment(job_id={job_id},") == 2, "not requeued under its id"
+    lost = [line for line in task0.splitlines() if line.startswith("[lowcomm] lost")]
+    assert len(lost) == 1, task0[-3000:]
+    last = int(lost[0].split("the last checkpoint is step ")[1].split(";")[0])
+    assert lost[0] == (f"[lowcomm] lost rank 1 on {socket.gethostname()}: stopped or hung, no answer within "
+                       f"{DROP_TIMEOUT_S} s (cluster.collective_timeout_s); the last checkpoint is step {last}; "
+                       f"requeueing job {job_id}, which resumes from it (0 more requeues allowed, "
+                       "cluster.max_requeues)")
+    assert f"resuming from step_{last:09d}" in task0
+    assert json.loads(RunDir(run_dir).summary.read_text())["steps"] == steps

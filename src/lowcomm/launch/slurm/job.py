@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import subprocess
+import sys
 import warnings
 from typing import Any, NoReturn
 
@@ -19,6 +22,7 @@ import submitit
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import train
+from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import StopFlag
 
 
@@ -75,9 +79,65 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log.addHandler(handler)
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         run = validate(load_run_config(self.config_path))
-        result = train(run, DistEnv.from_environ(), should_stop=stop)
+        try:
+            result = train(run, DistEnv.from_environ(), should_stop=stop)
+        except PeersLost as lost:
+            leave_after_loss(lost)
         if result.preempted:
             print(f"[lowcomm] rank {rank}: checkpoint at step {result.final_step} written; "
                   "leaving the job to be requeued", flush=True)
             stop.hand_over()
         return result.summary
+
+
+def leave_after_loss(lost: PeersLost) -> NoReturn:
+    """A task whose collective lost peers (:mod:`lowcomm.train.peers`): the lowest surviving
+    rank of each node prints the line, the lowest of all requeues the job, counted like a
+    time-out against ``cluster.max_requeues`` (a node that keeps failing must not requeue
+    forever); once those are used up it cancels the job, which would otherwise hold its
+    allocation until the time limit (a stopped rank, or one on an unreachable node, never
+    exits). SLURM's requeue ends every task of the job; the requeued job resumes from the last
+    checkpoint. The task leaves without a result, so submitit does not take it for finished."""
+    job = submitit.JobEnvironment()
+    action = None
+    if lost.leads and requeued_since_start(job.job_id):
+        # another survivor (across a network partition, each side leads its own) got there first
+        next_step = f"job {job.job_id} is already requeued and resumes from it"
+    elif lost.leads:
+        delayed = submitit.helpers.DelayedSubmission.load(job.paths.submitted_pickle)
+        remaining = delayed._timeout_countdown - 1  # noqa: SLF001 - submitit's own count of requeues left
+        if remaining >= 0:
+            again = delayed._checkpoint_function()  # noqa: SLF001 - what submitit's handler pickles
+            again.set_timeout(delayed._timeout_min, remaining)  # noqa: SLF001
+            with submitit.core.utils.temporary_save_path(job.paths.submitted_pickle) as tmp:
+                again.dump(tmp)
+            action = ["scontrol", "requeue", job.job_id]
+            next_step = (f"requeueing job {job.job_id}, which resumes from it "
+                         f"({remaining} more requeue{'s' if remaining != 1 else ''} allowed, cluster.max_requeues)")
+        else:
+            action = ["scancel", job.job_id]
+            next_step = (f"not requeued: the requeues allowed (cluster.max_requeues) are used up; cancelling job "
+                         f"{job.job_id}: submit the run again to resume")
+    else:
+        next_step = f"rank {lost.diagnosis.survivors[0]} requeues the job"
+    if lost.reports:
+        print(lost.line(next_step), flush=True)
+    if action is not None:  # before the farewells: the other tasks' exit must not end the job first
+        done = subprocess.run(action, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            print(f"[lowcomm] {' '.join(action)} failed: {done.stderr.strip()}", flush=True)
+    lost.leave()
+    # os._exit: the process group's threads may still be tied to the lost peers, and a normal
+    # exit would write no result either way
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_PEERS_LOST)
+
+
+def requeued_since_start(job_id: str) -> bool:
+    """Whether SLURM restarted job ``job_id`` since this task started (its ``Restarts`` count is
+    above the ``SLURM_RESTART_COUNT`` this task was started with)."""
+    started = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    restarts = re.search(r"\bRestarts=(\d+)", shown.stdout)
+    return restarts is not None and int(restarts.group(1)) > started
