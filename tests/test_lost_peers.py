@@ -80,6 +80,21 @@ def test_a_run_directory_written_before_the_key_loads_with_torchs_default(tmp_pa
     assert upgraded.run_name == run.run_name  # the cluster section is not part of the name
 
 
+def test_the_dry_run_warns_when_a_checkpoint_outlasts_the_collective_timeout():
+    from lowcomm.launch.estimate import checkpoint_estimate
+
+    # DeMo at 1B on 64 GPUs: each rank's momentum, 306 GB per checkpoint; the others wait at its barrier
+    run = validate(compose(["experiment=paper_table1", "model=olmo_1b", "optimizer=demo", "data=memmap",
+                            "data.paths=[/nowhere/train.bin]", "data.val_paths=[/nowhere/val.bin]"]),
+                   check_data_files=False)
+    assert run.cluster.name == "slurm_64gpu"
+    at_1_gb = checkpoint_estimate(run, bandwidth=1e9)
+    assert not at_1_gb.outlasts_timeout and "collective_timeout_s" not in at_1_gb.describe()
+    slow = checkpoint_estimate(run, bandwidth=0.25e9)
+    assert slow.outlasts_timeout
+    assert "WARNING: longer than cluster.collective_timeout_s (900 s)" in slow.describe()
+
+
 # ---------------------------------------------------------------------------------- the probe
 def test_the_probe_tells_a_live_rank_from_a_gone_a_stopped_and_an_unreachable_one():
     beacon = Beacon()

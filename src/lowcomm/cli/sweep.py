@@ -259,6 +259,10 @@ def _dry_run(sweep: Sweep, planned: list[PlannedRun], estimates: list[Estimate],
     if too_slow:
         print(f"WARNING: {too_slow} of {len(planned)} jobs cannot write a checkpoint within the preemption "
               f"lead time at {args.fs_bandwidth:g} GB/s (see 'checkpoint' above)")
+    beyond_timeout = sum(checkpoint.outlasts_timeout for checkpoint in checkpoints)
+    if beyond_timeout:
+        print(f"WARNING: {beyond_timeout} of {len(planned)} jobs take longer to write a checkpoint at "
+              f"{args.fs_bandwidth:g} GB/s than cluster.collective_timeout_s (see 'checkpoint' above)")
     print("dry run: nothing submitted")
     return 0
 

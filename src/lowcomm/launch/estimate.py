@@ -74,6 +74,8 @@ class CheckpointEstimate:
     world_size: int
     bandwidth: float  # bytes/s
     lead_time_s: float | None  # the preemption signal's lead (SLURM), None locally
+    # how long the other ranks wait at the checkpoint's barrier before they give up
+    collective_timeout_s: float | None = None
 
     @property
     def total_bytes(self) -> float:
@@ -87,6 +89,12 @@ class CheckpointEstimate:
     def fits(self) -> bool:
         return self.lead_time_s is None or self.write_s <= self.lead_time_s
 
+    @property
+    def outlasts_timeout(self) -> bool:
+        """Writing it takes longer than a collective may wait: every periodic checkpoint would
+        stop the run as if a rank were lost."""
+        return self.collective_timeout_s is not None and self.write_s > self.collective_timeout_s
+
     def describe(self) -> str:
         text = (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once + "
                 f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; "
@@ -96,6 +104,9 @@ class CheckpointEstimate:
         if not self.fits:
             text += ("; WARNING: it does not fit: a preempted job is killed before its checkpoint is "
                      "written (raise cluster.signal_delay_s, or checkpoint more often to lose less)")
+        if self.outlasts_timeout:
+            text += (f"; WARNING: longer than cluster.collective_timeout_s ({self.collective_timeout_s:g} s): the "
+                     "ranks waiting at its barrier would give up (raise the timeout)")
         return text
 
 
@@ -107,4 +118,5 @@ def checkpoint_estimate(run: RunConfig, *, bandwidth: float = DEFAULT_FS_BANDWID
     strategy = run.strategy_class(run.optimizer, run.compression, Communicator())
     replicated, per_rank = strategy.checkpoint_bytes(build_model(run.model, "meta"), cluster.local_world_size)
     lead = float(cluster.signal_delay_s) if cluster.launcher == "slurm" else None
-    return CheckpointEstimate(replicated, per_rank, run.world_size, bandwidth, lead)
+    return CheckpointEstimate(replicated, per_rank, run.world_size, bandwidth, lead,
+                              float(cluster.collective_timeout_s))
