@@ -261,3 +261,18 @@ def test_a_slurm_job_whose_rank_stops_is_requeued_by_the_survivor_and_resumes(lo
                        "cluster.max_requeues)")
     assert f"resuming from step_{last:09d}" in task0
     assert json.loads(RunDir(run_dir).summary.read_text())["steps"] == steps
+
+
+def test_only_a_collectives_failure_is_diagnosed():
+    from lowcomm.train.peers import is_collective_failure
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms "
+                        "for recv operation to complete")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise RuntimeError("DDP: the bucket's all-reduce failed") from inner
+    except RuntimeError as wrapped:
+        assert is_collective_failure(wrapped)
+    assert not is_collective_failure(ValueError("no usable checkpoint"))

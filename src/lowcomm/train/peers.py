@@ -176,7 +176,19 @@ def reachable_address() -> str:
             with socket.socket(family, kind) as udp:
                 udp.connect(sockaddr)
                 return udp.getsockname()[0]
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:  # a host name that does not resolve: only ranks on this host can be probed
+        return "127.0.0.1"
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and what it was raised from (DDP re-raises a failed all-reduce as its own error)."""
+    for _ in range(10):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -184,23 +196,16 @@ def is_collective_failure(exc: BaseException) -> bool:
     peer: torch's distributed errors and gloo's transport errors. Anything else (a bug, a bad
     checkpoint that every rank rejects) is not diagnosed: a rank that raised it and left would
     look gone to the others."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, dist.DistError):
-            return True
-        text = str(exc)
-        if isinstance(exc, RuntimeError) and any(marker in text for marker in _GLOO_MARKERS):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return any(isinstance(error, dist.DistError)
+               or (isinstance(error, RuntimeError) and any(marker in str(error) for marker in _GLOO_MARKERS))
+               for error in _chain(exc))
 
 
 _GLOO_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting")
 
 
 def _timed_out(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
+    return any("timed out" in str(error).lower() or "timeout" in str(error).lower() for error in _chain(exc))
 
 
 @dataclass(frozen=True)
