@@ -313,7 +313,8 @@ def plot_step_times(results: dict, out: Path) -> Path:
     """Measured time per step beside the model's prediction, per shaped link and optimizer."""
     shaped = [name for name, link in results["links"].items() if link["bits_per_s"] is not None]
     labels = results["optimizers"]
-    fig, axes = plt.subplots(1, len(shaped), figsize=(3.2 * len(shaped) + 1.5, 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(shaped), figsize=(3.2 * len(shaped) + 1.5, 4.2), squeeze=False,
+                             layout="constrained")
     for ax, name in zip(axes[0], shaped, strict=True):
         entries = [results["links"][name]["runs"][label] for label in labels]
         at = range(len(labels))
@@ -326,8 +327,9 @@ def plot_step_times(results: dict, out: Path) -> Path:
         ax.set_title(f"{name}/s", fontsize=9)
         ax.set_ylabel("s per training step")
         ax.grid(alpha=0.3, axis="y")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{results['topology']}: measured vs lowcomm-wallclock's model (tiny OLMo)", fontsize=9)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=2, fontsize=8)
+    fig.suptitle(f"{results['topology']}:\nmeasured vs lowcomm-wallclock's model (tiny OLMo)", fontsize=9)
     path = out / "step_time_measured_vs_predicted.png"
     fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
