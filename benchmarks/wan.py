@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                 carried = topology.carried() - before
                 run = load_run(validate(compose(overrides)).run_dir)
                 runs[name][label] = run
+                _steps, in_flight = run.series("perf/in_flight_s")
                 entry = {"measured_step_s": compute_seconds_per_step(run), "final_val_loss": run.final_val_loss,
+                         "in_flight_s_per_step": sum(in_flight) / len(in_flight) if in_flight else 0.0,
                          "kernel_MB_per_step": carried / 1e6 / args.steps,
                          "metered_tx_MB_per_step": topology.workers * run.summary["tx_MB_per_step"]}
                 if rate is not None:
