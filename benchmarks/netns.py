@@ -99,17 +99,24 @@ class Node:
                               text=True).stdout.strip()
 
 
+LOGIN_HOST = 254  # the host's own address on a node network that reaches the host (``login=True``)
+
+
 @contextlib.contextmanager
-def node_network(count: int, prefix: str = "lowcomm") -> Iterator[list[Node]]:
+def node_network(count: int, prefix: str = "lowcomm", *, login: bool = False) -> Iterator[list[Node]]:
     """``count`` nodes (2 to 4 is what the tests use) joined by one switch: a network namespace
     per node with its loopback up, a veth from each node to a bridge in a namespace of its own
     (nothing is added to the host's network), addresses in one /24, and hostnames
     ``<prefix>-node<i>`` that every node resolves (``ip netns exec`` mounts
-    ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``). Everything is deleted on exit, also
+    ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``). With ``login``, the host itself joins
+    the network too, as a cluster's login node: a veth from the host's own namespace to the
+    bridge, address ``.254`` (:func:`login_address`), so that daemons and commands on the host
+    (a SLURM controller, sbatch, squeue) reach every node. Everything is deleted on exit, also
     when the body raises. Needs root and iproute2."""
     if not 1 <= count <= 250:
         raise ValueError(f"node_network: 1 to 250 nodes, got {count}")
     tag = uuid.uuid4().hex[:6]
+    host_interface = f"{prefix[:4]}h{tag}" if login else None
     switch = f"{prefix}-switch-{tag}"
     subnet = 1 + int(tag, 16) % 250
     nodes = [Node(f"{prefix}-node{i}", f"{prefix}-node{i}-{tag}", NODE_SUBNET.format(tag=subnet, host=i + 1))
@@ -135,11 +142,31 @@ def node_network(count: int, prefix: str = "lowcomm") -> Iterator[list[Node]]:
             _run_in(node.namespace, ["ip", "link", "set", NODE_INTERFACE, "up"])
             _run_in(switch, ["ip", "link", "set", port, "master", "br0"])
             _run_in(switch, ["ip", "link", "set", port, "up"])
+        if host_interface:
+            _join_from_host(switch, host_interface, NODE_SUBNET.format(tag=subnet, host=LOGIN_HOST))
         yield nodes
     finally:
+        if host_interface:  # at once: the switch's namespace takes its end of the pair with it, but lazily
+            subprocess.run(["ip", "link", "delete", host_interface], capture_output=True, check=False)
         for namespace in reversed(created):
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, check=False)
             shutil.rmtree(ETC_NETNS / namespace, ignore_errors=True)
+
+
+def login_address(nodes: Sequence[Node]) -> str:
+    """The host's address on the network of ``nodes`` (made with ``login=True``)."""
+    return nodes[0].address.rsplit(".", 1)[0] + f".{LOGIN_HOST}"
+
+
+def _join_from_host(switch: str, interface: str, address: str) -> None:
+    """A veth from the host's namespace (``interface``, ``address``) to the switch's bridge;
+    deleting the switch's namespace deletes its far end, and with it the pair."""
+    subprocess.run(["ip", "link", "add", interface, "type", "veth", "peer", "name", "login", "netns", switch],
+                   check=True, capture_output=True)
+    subprocess.run(["ip", "addr", "add", f"{address}/24", "dev", interface], check=True, capture_output=True)
+    subprocess.run(["ip", "link", "set", interface, "up"], check=True, capture_output=True)
+    _run_in(switch, ["ip", "link", "set", "login", "master", "br0"])
+    _run_in(switch, ["ip", "link", "set", "login", "up"])
 
 
 def _run_in(namespace: str, argv: Sequence[str]) -> None:

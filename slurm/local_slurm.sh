@@ -18,6 +18,13 @@
 # (6818), LOWCOMM_SLURM_START_TIMEOUT (seconds to wait for the node to be idle, 60). Clusters in
 # different state directories can run side by side when given different ports.
 #
+# Several nodes: LOWCOMM_SLURM_NODES="NAME=ADDRESS=NETNS ..." (the nodes of
+# benchmarks/netns.py's node_network) and LOWCOMM_SLURM_CTLD_ADDR (this host's address on their
+# network, node_network(login=True)). slurmctld then runs here, on that address, and one slurmd
+# per node inside the node's network namespace under the node's hostname (a UTS namespace of its
+# own: slurmd finds its NodeName by hostname), each with its own spool, pid and log file (%n).
+# The nodes share this machine's CPUs and filesystem; only the network is theirs.
+#
 # Exit status: 0 success, 4 SLURM cannot be had here (not root, cannot install), 1 other failures.
 #
 # The node has all CPUs of the machine and no GPUs; the single partition is `debug` (the default),
@@ -40,6 +47,9 @@ MUNGE_SOCKET="$MUNGE_DIR/munge.socket"
 MUNGE_PID="$MUNGE_DIR/munged.pid"
 CTLD_PID="$STATE_DIR/slurmctld.pid"
 SLURMD_PID="$STATE_DIR/slurmd.pid"
+# name=address=namespace per node; empty: one node, this host
+read -r -a NODES <<<"${LOWCOMM_SLURM_NODES:-}"
+CTLD_ADDR=${LOWCOMM_SLURM_CTLD_ADDR:-}
 LOG_DIR="$STATE_DIR/log"
 
 # stdout carries only the export line (so `eval "$(... start)"` works); everything else is stderr.
@@ -58,6 +68,19 @@ alive() {
 }
 
 pid_of() { cat "$1" 2>/dev/null || true; }
+
+node_field() { local IFS='='; read -r -a parts <<<"$1"; echo "${parts[$2]}"; }  # entry, 0|1|2
+node_names() { local entry; for entry in "${NODES[@]}"; do node_field "$entry" 0; done; }
+# One slurmd pid file per node (slurm.conf's %n is the node's name), or the one node's.
+slurmd_pid_files() {
+    local name
+    if ((${#NODES[@]} == 0)); then echo "$SLURMD_PID"; return; fi
+    for name in $(node_names); do echo "$STATE_DIR/slurmd-$name.pid"; done
+}
+all_slurmd_alive() {
+    local file
+    for file in $(slurmd_pid_files); do alive "$file" slurmd || return 1; done
+}
 
 ensure_packages() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sinfo >/dev/null \
@@ -108,6 +131,22 @@ write_conf() {
         node_addr=" NodeAddr=127.0.0.1"
         ctld_addr="(127.0.0.1)"
     fi
+    local slurmd_files=slurmd node_lines="" partition_nodes="" entry name address
+    if ((${#NODES[@]} > 0)); then
+        [[ -n $CTLD_ADDR ]] || die "LOWCOMM_SLURM_NODES needs LOWCOMM_SLURM_CTLD_ADDR (this host's address on their network)"
+        ctld_addr="(${CTLD_ADDR})"
+        slurmd_files=slurmd-%n
+        for entry in "${NODES[@]}"; do
+            name=$(node_field "$entry" 0)
+            address=$(node_field "$entry" 1)
+            node_lines+="NodeName=${name} NodeAddr=${address} CPUs=${cpus} RealMemory=${real_memory_mb} State=UNKNOWN"$'\n'
+            partition_nodes+="${partition_nodes:+,}${name}"
+            mkdir -p "$STATE_DIR/slurmd_spool/$name"
+        done
+    else
+        node_lines="NodeName=${host}${node_addr} CPUs=${cpus} RealMemory=${real_memory_mb} State=UNKNOWN"$'\n'
+        partition_nodes=$host
+    fi
     mkdir -p "$STATE_DIR/ctld_state" "$STATE_DIR/slurmd_spool" "$LOG_DIR"
     cat >"$CONF" <<EOF
 # Written by slurm/local_slurm.sh: a single-node development cluster. Regenerated on every start.
@@ -123,11 +162,11 @@ CredType=cred/munge
 AuthInfo=socket=${MUNGE_SOCKET},cred_expire=10
 
 StateSaveLocation=${STATE_DIR}/ctld_state
-SlurmdSpoolDir=${STATE_DIR}/slurmd_spool
+SlurmdSpoolDir=${STATE_DIR}/slurmd_spool${NODES:+/%n}
 SlurmctldPidFile=${CTLD_PID}
-SlurmdPidFile=${SLURMD_PID}
+SlurmdPidFile=${STATE_DIR}/${slurmd_files}.pid
 SlurmctldLogFile=${LOG_DIR}/slurmctld.log
-SlurmdLogFile=${LOG_DIR}/slurmd.log
+SlurmdLogFile=${LOG_DIR}/${slurmd_files}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 
@@ -160,31 +199,29 @@ KillWait=5
 MinJobAge=300
 InactiveLimit=0
 
-NodeName=${host}${node_addr} CPUs=${cpus} RealMemory=${real_memory_mb} State=UNKNOWN
-PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=${partition_nodes} Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
 show_logs() {
     local file
-    for file in "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" "$MUNGE_DIR/munged.log"; do
+    for file in "$LOG_DIR/slurmctld.log" "$LOG_DIR"/slurmd*.log "$MUNGE_DIR/munged.log"; do
         [[ -f $file ]] || continue
         log "---- last lines of $file"
         tail -n 25 "$file" >&2
     done
 }
 
-node_state() { SLURM_CONF="$CONF" sinfo --noheader --Node --format=%t 2>/dev/null | head -n 1; }
+# Every node's state on one line ("idle idle"); the least ready decides.
+node_state() { SLURM_CONF="$CONF" sinfo --noheader --Node --format=%t 2>/dev/null | tr '\n' ' ' | sed 's/ $//'; }
 
 wait_until_idle() {
     local deadline=$((SECONDS + START_TIMEOUT_S)) state=""
     while ((SECONDS < deadline)); do
         state=$(node_state)
-        case $state in
-            idle | mix | alloc) return 0 ;;
-            # The node registered but SLURM rejected it: waiting will not help.
-            inval* | drain* | drng*) break ;;
-        esac
+        all_ready "$state" && return 0
+        # A node registered but SLURM rejected it: waiting will not help.
+        [[ $state =~ (inval|drain|drng) ]] && break
         sleep 0.2
     done
     log "the node did not become idle within ${START_TIMEOUT_S}s (state: '${state:-no answer}')"
@@ -193,10 +230,41 @@ wait_until_idle() {
     return 1
 }
 
+# Every node of the cluster idle, mixed or allocated ("idle*": not responding, does not count).
+all_ready() {
+    local state ready=0
+    for state in $1; do
+        case $state in idle | mix | alloc) ready=$((ready + 1)) ;; esac
+    done
+    ((ready == $(expected_nodes)))
+}
+
+expected_nodes() { ((${#NODES[@]})) && echo "${#NODES[@]}" || echo 1; }
+
+# slurmd on this host, or one per node in the node's network namespace under its hostname.
+start_slurmds() {
+    local entry name namespace
+    if ((${#NODES[@]} == 0)); then
+        SLURM_CONF="$CONF" slurmd -f "$CONF"
+        return
+    fi
+    for entry in "${NODES[@]}"; do
+        name=$(node_field "$entry" 0)
+        namespace=$(node_field "$entry" 2)
+        # Not `ip netns exec`: it mounts a sysfs of the namespace's own, without the cgroup
+        # hierarchy slurmd needs to start. Enter the network namespace, and do the rest of what
+        # `ip netns exec` does by hand: the node's /etc/hosts (/etc/netns/<namespace>/hosts, the
+        # names of every node) in a mount namespace of its own, and its hostname in a UTS one.
+        SLURM_CONF="$CONF" nsenter --net="/run/netns/$namespace" unshare --mount --uts sh -c \
+            'mount --bind "/etc/netns/$3/hosts" /etc/hosts && hostname "$1" && exec slurmd -f "$2"' \
+            sh "$name" "$CONF" "$namespace" || return 1
+    done
+}
+
 do_start() {
     [[ $EUID -eq 0 ]] || unavailable "must run as root (it starts slurmctld, slurmd and munged)"
     ensure_packages
-    if alive "$CTLD_PID" slurmctld && alive "$SLURMD_PID" slurmd; then
+    if alive "$CTLD_PID" slurmctld && all_slurmd_alive; then
         log "already running in $STATE_DIR"
     else
         # A half-started cluster (one daemon died) is restarted from scratch.
@@ -207,13 +275,14 @@ do_start() {
         start_munged
         # -c: begin with an empty queue instead of recovering jobs from a previous run.
         SLURM_CONF="$CONF" slurmctld -c -f "$CONF" || { show_logs; do_stop; die "slurmctld did not start"; }
-        SLURM_CONF="$CONF" slurmd -f "$CONF" || { show_logs; do_stop; die "slurmd did not start"; }
+        start_slurmds || { show_logs; do_stop; die "slurmd did not start"; }
     fi
     if ! wait_until_idle; then
         do_stop
         die "cluster start failed"
     fi
-    log "node $(hostname -s) idle: $(nproc) CPUs, partition debug; state in $STATE_DIR"
+    log "$( ((${#NODES[@]})) && echo "nodes $(node_names | paste -sd, -)" || echo "node $(hostname -s)") idle:" \
+        "$(nproc) CPUs each, partition debug; state in $STATE_DIR"
     echo "export SLURM_CONF=$CONF"
 }
 
@@ -235,14 +304,16 @@ reap() {
 unfinished_jobs() { SLURM_CONF="$CONF" squeue --noheader --format=%A 2>/dev/null || true; }
 
 do_stop() {
-    local ctld_pid="" slurmd_pid="" munged_pid="" deadline
+    local ctld_pid="" slurmd_pids=() munged_pid="" deadline file pid
     alive "$CTLD_PID" slurmctld && ctld_pid=$(pid_of "$CTLD_PID")
-    alive "$SLURMD_PID" slurmd && slurmd_pid=$(pid_of "$SLURMD_PID")
+    for file in $(slurmd_pid_files); do
+        alive "$file" slurmd && slurmd_pids+=("$(pid_of "$file")")
+    done
     alive "$MUNGE_PID" munged && munged_pid=$(pid_of "$MUNGE_PID")
     if [[ -n $ctld_pid ]]; then
         # Jobs outlive slurmd by design; cancel them first so no job step is left behind.
         # squeue lists only unfinished jobs (pending, running, completing) by default.
-        if [[ -n $slurmd_pid ]] && [[ -n $(unfinished_jobs) ]]; then
+        if ((${#slurmd_pids[@]})) && [[ -n $(unfinished_jobs) ]]; then
             unfinished_jobs | xargs -r env SLURM_CONF="$CONF" scancel 2>/dev/null || true
             deadline=$((SECONDS + 20))
             while [[ -n $(unfinished_jobs) ]] && ((SECONDS < deadline)); do sleep 0.2; done
@@ -251,30 +322,33 @@ do_stop() {
         SLURM_CONF="$CONF" scontrol shutdown 2>/dev/null || true
     fi
     reap "$ctld_pid" 10
-    reap "$slurmd_pid" 10
+    for pid in "${slurmd_pids[@]}"; do reap "$pid" 10; done
     if [[ -n $munged_pid ]]; then
         runuser -u munge -- munged --stop --socket="$MUNGE_SOCKET" >/dev/null 2>&1 || true
         reap "$munged_pid" 5
     fi
-    rm -f "$CTLD_PID" "$SLURMD_PID" "$MUNGE_PID"
+    rm -f "$CTLD_PID" "$MUNGE_PID" $(slurmd_pid_files)
 }
 
 do_status() {
     local name pid_file running=0
+    local expected=2 pid_files
     for name in munged slurmctld slurmd; do
         case $name in
-            munged) pid_file=$MUNGE_PID ;;
-            slurmctld) pid_file=$CTLD_PID ;;
-            slurmd) pid_file=$SLURMD_PID ;;
+            munged) pid_files=$MUNGE_PID ;;
+            slurmctld) pid_files=$CTLD_PID ;;
+            slurmd) pid_files=$(slurmd_pid_files) && expected=$((expected + $(expected_nodes))) ;;
         esac
-        if alive "$pid_file" "$name"; then
-            log "$name running (pid $(pid_of "$pid_file"))"
-            running=$((running + 1))
-        else
-            log "$name not running"
-        fi
+        for pid_file in $pid_files; do
+            if alive "$pid_file" "$name"; then
+                log "$name running (pid $(pid_of "$pid_file"))"
+                running=$((running + 1))
+            else
+                log "$name not running ($pid_file)"
+            fi
+        done
     done
-    if ((running == 3)); then
+    if ((running == expected)); then
         SLURM_CONF="$CONF" sinfo >&2 || true
         echo "export SLURM_CONF=$CONF"
         return 0
