@@ -1,17 +1,19 @@
 """Shared fixtures.
 
 SLURM: ``local_slurm`` starts a private single-node cluster (slurm/local_slurm.sh) for the test
-session and ``slurm_results`` waits for a submitit job on it with a deadline. Tests that use them
+session, ``two_node_slurm`` one of two nodes (network namespaces) for a module, and ``slurm_results`` waits for a submitit job on it with a deadline. Tests that use them
 are marked ``@pytest.mark.slurm``. Without root, or where slurm-wlm cannot be installed, they are
 skipped, unless LOWCOMM_REQUIRE_SLURM=1 (CI on a machine that must run them), where they fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -56,14 +58,12 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-@pytest.fixture(scope="session")
-def local_slurm() -> Iterator[str]:
-    """A running single-node SLURM cluster for this session; yields its SLURM_CONF path.
-
-    Each session gets its own state directory and ports, so concurrent sessions (and a cluster
-    started by hand in /tmp/lowcomm-slurm) do not share or stop each other's daemons.
-    SLURM_CONF is set in os.environ for the session: sbatch, squeue and the jobs' srun read it.
-    """
+@contextlib.contextmanager
+def _slurm_cluster(**extra_env: str) -> Iterator[str]:
+    """A private SLURM cluster (slurm/local_slurm.sh, ``extra_env`` its knobs) with its own state
+    directory and ports, so that clusters side by side (and one started by hand in
+    /tmp/lowcomm-slurm) neither share nor stop each other's daemons; SLURM_CONF points at it in
+    os.environ while it runs (sbatch, squeue and the jobs' srun read it). Yields SLURM_CONF."""
     if os.geteuid() != 0:
         _slurm_unavailable("not running as root (slurm/local_slurm.sh starts slurmctld, slurmd and munged)")
     # Short and world-searchable: the munge user must reach its socket below it, and a UNIX socket
@@ -75,11 +75,13 @@ def local_slurm() -> Iterator[str]:
         **os.environ,
         "LOWCOMM_SLURM_CTLD_PORT": str(ctld_port),
         "LOWCOMM_SLURM_SLURMD_PORT": str(slurmd_port),
+        **extra_env,
     }
     started = subprocess.run(
         [str(LOCAL_SLURM), "start", str(state_dir)], env=env, capture_output=True, text=True, timeout=900
     )
     if started.returncode != 0:
+        subprocess.run([str(LOCAL_SLURM), "stop", str(state_dir)], env=env, capture_output=True, timeout=120)
         shutil.rmtree(state_dir, ignore_errors=True)
         if started.returncode == SLURM_UNAVAILABLE_STATUS:
             _slurm_unavailable(started.stderr.strip().splitlines()[-1])
@@ -98,6 +100,30 @@ def local_slurm() -> Iterator[str]:
         else:
             os.environ["SLURM_CONF"] = previous_conf
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[str]:
+    """A running single-node SLURM cluster for this session; yields its SLURM_CONF path."""
+    with _slurm_cluster() as slurm_conf:
+        yield slurm_conf
+
+
+@pytest.fixture(scope="module")
+def two_node_slurm() -> Iterator[tuple[list, str]]:
+    """Two nodes on this machine (benchmarks/netns.py ``node_network``, the host joined to their
+    network as the login node), a slurmd in each and the controller on the host, for a module's
+    tests; yields ``(nodes, SLURM_CONF)``. The cluster stops and the namespaces go at the end."""
+    if os.geteuid() != 0:
+        _slurm_unavailable("not running as root (network namespaces and SLURM's daemons)")
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from netns import login_address, node_network
+
+    with node_network(2, prefix="lcsl", login=True) as nodes, _slurm_cluster(
+        LOWCOMM_SLURM_NODES=" ".join(f"{n.hostname}={n.address}={n.namespace}" for n in nodes),
+        LOWCOMM_SLURM_CTLD_ADDR=login_address(nodes),
+    ) as slurm_conf:
+        yield nodes, slurm_conf
 
 
 def _squeue_state(job_id: str) -> str:

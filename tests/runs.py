@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lowcomm.config import validate
@@ -110,3 +112,100 @@ def _same(a, b) -> bool:
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+# ------------------------------------------------------------------ runs submitted to SLURM
+SLURM_FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def slurm_job_id(run_dir: Path) -> str:
+    """The SLURM job of a run's latest submission (``slurm/submissions.jsonl``)."""
+    records = (run_dir / "slurm" / "submissions.jsonl").read_text().splitlines()
+    return json.loads(records[-1])["job_id"]
+
+
+def slurm_logs(run_dir: Path) -> str:
+    """The ends of a run's SLURM task logs, for a failure message."""
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}"
+                     for path in sorted((run_dir / "slurm").glob("*_log.*")))
+
+
+def wait_for_summaries(run_dirs: list[Path], timeout_s: float) -> None:
+    """Until every run has written summary.json; fails with the logs when a job ends without."""
+    deadline = time.monotonic() + timeout_s
+    while not all((run_dir / "summary.json").is_file() for run_dir in run_dirs):
+        for run_dir in run_dirs:
+            state = subprocess.run(["squeue", "--noheader", "--states=all", f"--jobs={slurm_job_id(run_dir)}",
+                                    "--format=%T"], capture_output=True, text=True).stdout.strip()
+            if state in SLURM_FAILED and not (run_dir / "summary.json").is_file():
+                pytest.fail(f"job of {run_dir.name} ended {state}:\n{slurm_logs(run_dir)}", pytrace=False)
+        if time.monotonic() > deadline:
+            pytest.fail(f"runs not finished within {timeout_s}s:\n" + "\n".join(map(slurm_logs, run_dirs)),
+                        pytrace=False)
+        time.sleep(0.5)
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """``(step, train/loss)`` of every logged step."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(record["step"], record["train/loss"]) for record in records if "train/loss" in record]
+
+
+def preempt_once(run_dir: Path, *, after_losses: int = 3, timeout_s: float = 240) -> str:
+    """Once the run has logged ``after_losses`` losses, what SLURM does before a preemption
+    (``scancel --signal=USR2``, reaching every task); then wait for it to be requeued and finish.
+    Returns task 0's log, which must show exactly one resume from a checkpoint."""
+    job_id = slurm_job_id(run_dir)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < after_losses:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the run did not start logging:\n{slurm_logs(run_dir)}", pytrace=False)
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    wait_for_summaries([run_dir], timeout_s=timeout_s)
+    log = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    resumed = [line for line in log.splitlines() if "resuming from step_" in line]
+    assert len(resumed) == 1, f"the requeued job did not resume from a checkpoint:\n{log}"
+    return log
+
+
+def preempted_run_ends_like_an_uninterrupted_one(overrides: list[str], tmp_path: Path, *, steps: int,
+                                                 ranks: int) -> Path:
+    """Submit ``overrides`` (a SLURM cluster profile among them) twice: once uninterrupted, once
+    preempted with USR2 after a few steps, requeued and resumed. The second must log the same
+    losses and end with the same checkpoint, bit for bit: model, optimizer and every rank's own
+    state (DiLoCo's workers differ between synchronisations). Returns the preempted run's
+    directory."""
+    from lowcomm.cli.train import run_config
+    from lowcomm.config.compose import compose
+    from lowcomm.launch.slurm import Queue
+
+    reference = run_config(compose([*overrides, f"run_root={tmp_path / 'reference'}"]))
+    wait_for_summaries([reference], timeout_s=240)
+    # jobs are named after their run, so the second submission waits for the first to leave the queue
+    deadline = time.monotonic() + 60
+    while (job := Queue.read().find(job_id=slurm_job_id(reference))) is not None and job.active:
+        assert time.monotonic() < deadline, f"the reference job stays {job.state}"
+        time.sleep(0.2)
+    run_dir = run_config(compose([*overrides, f"run_root={tmp_path / 'preempted'}"]))
+    preempt_once(run_dir)
+    assert train_losses(run_dir) == train_losses(reference)
+    final = f"checkpoints/step_{steps:09d}"
+    for name in ("model.pt", "optim.pt", *(f"optim_rank{rank}.pt" for rank in range(ranks))):
+        ours, theirs = torch.load(run_dir / final / name), torch.load(reference / final / name)
+        flat_ours, flat_theirs = list(tensors(ours)), list(tensors(theirs))
+        assert len(flat_ours) == len(flat_theirs) > 0 and all(
+            torch.equal(a, b) for a, b in zip(flat_ours, flat_theirs, strict=True)), name
+    return run_dir
+
+
+def tensors(state):
+    """Every tensor of a (nested) state dict, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for key in sorted(state, key=str):
+            yield from tensors(state[key])
+    elif isinstance(state, list | tuple):
+        for item in state:
+            yield from tensors(item)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from lowcomm.cli import sweep as sweep_cli
@@ -33,7 +32,15 @@ from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.estimate import compute_estimate
 from lowcomm.launch.slurm import PreemptionFlag, Queue, QueuedJob, run_state
 from lowcomm.strategies import STRATEGIES
-from runs import SMALL_SYNTHETIC, TINY
+from runs import (
+    SMALL_SYNTHETIC,
+    TINY,
+    preempted_run_ends_like_an_uninterrupted_one,
+    slurm_job_id,
+    slurm_logs,
+    train_losses,
+    wait_for_summaries,
+)
 
 SWEEPS = repo_root() / "sweeps"
 # The paper-scale sweeps; the laptop ones (quickstart, table1_tiny) build on the quickstart's experiment.
@@ -272,41 +279,11 @@ STEPS = 80
 # 2 ranks of one CPU each: the local node's two cores.
 SLURM_RUN = [*TINY, *SMALL_SYNTHETIC, "cluster=slurm_debug", f"train.max_steps={STEPS}",
              "train.checkpoint_every=0"]
-FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def _job_id(run_dir: Path) -> str:
-    records = (run_dir / "slurm" / "submissions.jsonl").read_text().splitlines()
-    return json.loads(records[-1])["job_id"]
-
-
-def _logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted((run_dir / "slurm").glob("*_log.*")))
-
-
-def _wait_for_summaries(run_dirs: list[Path], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all((run_dir / "summary.json").is_file() for run_dir in run_dirs):
-        for run_dir in run_dirs:
-            state = subprocess.run(["squeue", "--noheader", "--states=all", f"--jobs={_job_id(run_dir)}",
-                                    "--format=%T"], capture_output=True, text=True).stdout.strip()
-            if state in FAILED_STATES and not (run_dir / "summary.json").is_file():
-                pytest.fail(f"job of {run_dir.name} ended {state}:\n{_logs(run_dir)}", pytrace=False)
-        if time.monotonic() > deadline:
-            pytest.fail(f"runs not finished within {timeout_s}s:\n" + "\n".join(map(_logs, run_dirs)), pytrace=False)
-        time.sleep(0.5)
-
-
 def _cli(*argv: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert sweep_cli.main(list(argv)) == 0
     return out.getvalue()
-
-
-def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(record["step"], record["train/loss"]) for record in records if "train/loss" in record]
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +299,7 @@ def slurm_sweep(local_slurm, tmp_path_factory):  # noqa: ARG001 - needs the clus
     submitted = _cli("submit", *cli_args)
     status_while_queued = _cli("status", *cli_args)
     run_dirs = [job.run.run_dir for job in plan_sweep(load_sweep(str(sweep_file)), cli_args[1:])]
-    _wait_for_summaries(run_dirs, timeout_s=240)
+    wait_for_summaries(run_dirs, timeout_s=240)
     return {"cli_args": cli_args, "run_dirs": run_dirs, "submitted": submitted,
             "status_while_queued": status_while_queued}
 
@@ -336,17 +313,17 @@ def test_a_two_point_sweep_runs_one_two_rank_job_per_point(slurm_sweep):
     for run_dir in run_dirs:
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["world_size"] == 2 and summary["steps"] == STEPS
-        assert [step for step, _ in _train_losses(run_dir)] == list(range(1, STEPS + 1))
+        assert [step for step, _ in train_losses(run_dir)] == list(range(1, STEPS + 1))
         config = OmegaConf.load(run_dir / "config.yaml")
         assert config.run_name == run_dir.name
         # the job was named after the run, and both of its tasks wrote a log
-        submission = (run_dir / "slurm" / f"{_job_id(run_dir)}_submission.sh").read_text()
+        submission = (run_dir / "slurm" / f"{slurm_job_id(run_dir)}_submission.sh").read_text()
         assert f"#SBATCH --job-name={run_dir.name}" in submission
         assert "#SBATCH --ntasks-per-node=2" in submission
         assert {path.name for path in (run_dir / "slurm").glob("*_log.out")} == {
-            f"{_job_id(run_dir)}_0_log.out", f"{_job_id(run_dir)}_1_log.out"}
+            f"{slurm_job_id(run_dir)}_0_log.out", f"{slurm_job_id(run_dir)}_1_log.out"}
     # the two learning rates trained differently
-    assert _train_losses(run_dirs[0])[-1] != _train_losses(run_dirs[1])[-1]
+    assert train_losses(run_dirs[0])[-1] != train_losses(run_dirs[1])[-1]
     queued_lines = [line for line in slurm_sweep["status_while_queued"].splitlines() if str(run_dirs[0].parent) in line]
     assert len(queued_lines) == 2
     assert all(line.split()[0] in ("pending", "running") for line in queued_lines)
@@ -359,8 +336,8 @@ def test_status_lists_each_finished_run_with_its_last_step_and_loss(slurm_sweep)
     assert "2 runs (2 done)" in out
     for run_dir in slurm_sweep["run_dirs"]:
         line = next(line for line in out.splitlines() if str(run_dir) in line)
-        step, loss = _train_losses(run_dir)[-1]
-        assert line.split()[:4] == ["done", _job_id(run_dir), f"{step}/{STEPS}", f"{loss:.4f}"]
+        step, loss = train_losses(run_dir)[-1]
+        assert line.split()[:4] == ["done", slurm_job_id(run_dir), f"{step}/{STEPS}", f"{loss:.4f}"]
 
 
 @pytest.mark.slurm
@@ -385,18 +362,18 @@ def test_a_preempted_run_is_requeued_resumes_and_ends_like_an_uninterrupted_one(
     reference = slurm_sweep["run_dirs"][0]
     run_dir = run_config(compose([*SLURM_RUN, "optimizer.lr=0.003", f"run_root={tmp_path}"]))
     assert run_dir.name == reference.name
-    job_id = _job_id(run_dir)
+    job_id = slurm_job_id(run_dir)
     queued = run_state(run_dir, run_dir.name, Queue.read())
     assert (queued.status, queued.job_id) in {("pending", job_id), ("running", job_id)}
 
     # Preempt once a few steps are logged: SLURM's --signal=USR2@delay reaches every task.
     deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").is_file() or len(_train_losses(run_dir)) < 3:
+    while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < 3:
         if time.monotonic() > deadline:
-            pytest.fail(f"the run did not start logging:\n{_logs(run_dir)}", pytrace=False)
+            pytest.fail(f"the run did not start logging:\n{slurm_logs(run_dir)}", pytrace=False)
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    _wait_for_summaries([run_dir], timeout_s=180)
+    wait_for_summaries([run_dir], timeout_s=180)
 
     task0_log = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     assert task0_log.count(f"Starting with JobEnvironment(job_id={job_id},") == 2, "not requeued under its id"
@@ -406,7 +383,7 @@ def test_a_preempted_run_is_requeued_resumes_and_ends_like_an_uninterrupted_one(
     assert 3 <= resumed_step < STEPS  # the checkpoint written on the signal (periodic ones are off)
     assert len((run_dir / "slurm" / "submissions.jsonl").read_text().splitlines()) == 1
     # Bit for bit what the uninterrupted run did, every step and the final validation.
-    assert _train_losses(run_dir) == _train_losses(reference)
+    assert train_losses(run_dir) == train_losses(reference)
     final = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
     assert final == json.loads((reference / "summary.json").read_text())["final_val_loss"]
 
@@ -435,42 +412,4 @@ def test_a_preempted_diloco_run_mid_period_is_requeued_and_ends_bit_identical(lo
     """DiLoCo's workers differ between synchronisations: the preemption checkpoint must hold
     every rank's own state for the requeued job to end exactly where an uninterrupted one does."""
     diloco = [*SLURM_RUN, "optimizer=diloco", "optimizer.lr=0.003", "optimizer.sync_every=7"]
-    reference = run_config(compose([*diloco, f"run_root={tmp_path / 'reference'}"]))
-    _wait_for_summaries([reference], timeout_s=240)
-    # jobs are named after their run, so the second submission waits for the first to leave the queue
-    deadline = time.monotonic() + 60
-    while (job := Queue.read().find(job_id=_job_id(reference))) is not None and job.active:
-        assert time.monotonic() < deadline, f"the reference job stays {job.state}"
-        time.sleep(0.2)
-
-    run_dir = run_config(compose([*diloco, f"run_root={tmp_path / 'preempted'}"]))
-    job_id = _job_id(run_dir)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").is_file() or len(_train_losses(run_dir)) < 3:
-        if time.monotonic() > deadline:
-            pytest.fail(f"the run did not start logging:\n{_logs(run_dir)}", pytrace=False)
-        time.sleep(0.1)
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    _wait_for_summaries([run_dir], timeout_s=240)
-
-    task0_log = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
-    resumed = [line for line in task0_log.splitlines() if "resuming from step_" in line]
-    assert len(resumed) == 1, f"the requeued job did not resume from a checkpoint:\n{task0_log}"
-    assert _train_losses(run_dir) == _train_losses(reference)
-    final = f"checkpoints/step_{STEPS:09d}"
-    for name in ("model.pt", "optim.pt", "optim_rank0.pt", "optim_rank1.pt"):
-        ours, theirs = torch.load(run_dir / final / name), torch.load(reference / final / name)
-        flat_ours, flat_theirs = list(_tensors(ours)), list(_tensors(theirs))
-        assert len(flat_ours) == len(flat_theirs) > 0 and all(
-            torch.equal(a, b) for a, b in zip(flat_ours, flat_theirs, strict=True)), name
-
-
-def _tensors(state):
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for key in sorted(state, key=str):
-            yield from _tensors(state[key])
-    elif isinstance(state, list | tuple):
-        for item in state:
-            yield from _tensors(item)
+    preempted_run_ends_like_an_uninterrupted_one(diloco, tmp_path, steps=STEPS, ranks=2)
