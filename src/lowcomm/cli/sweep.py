@@ -330,6 +330,7 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
     each point's run configs (with the job), or None after a failure (named on stderr)."""
     from lowcomm.launch.local import WorkerFailure, launch_local
     from lowcomm.rundir import RunDir
+    from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 
     planned = _plan_jobs(parser, sweep, jobs, overrides)
     by_point: dict[int, list] = {}
@@ -348,9 +349,12 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
               f"({(time.perf_counter() - started) / 60:.1f} min in{eta})", flush=True)
         try:
             launch_local(plan.run)
+        except RunDiverged:
+            pass  # its line is printed; the tuner and the reports rank it worst and say so
         except WorkerFailure as exc:
-            print(f"{PROG}: {label} failed: {exc}", file=sys.stderr)
-            return None
+            if exc.returncode != EXIT_DIVERGED:
+                print(f"{PROG}: {label} failed: {exc}", file=sys.stderr)
+                return None
         done += fresh
     return by_point
 
@@ -383,10 +387,13 @@ def _tune_phase(parser: argparse.ArgumentParser, sweep: Sweep, overrides: list[s
         for point, entries in by_point.items():
             for job, run in entries:
                 labels[point] = run.label
-                loss = load_run(run.run_dir).final_val_loss
+                record = load_run(run.run_dir)
+                loss = record.final_val_loss
                 losses.setdefault(point, {})[job.value] = math.nan if loss is None else loss
                 if not math.isfinite(losses[point][job.value]):
-                    print(f"[tune] {run.label}: {name}={job.value:.3g} diverged (final val loss {loss}): "
+                    why = (f"at step {record.diverged['step']}: {record.diverged['reason']}" if record.diverged
+                           else f"(final val loss {loss})")
+                    print(f"[tune] {run.label}: {name}={job.value:.3g} diverged {why}: "
                           "never chosen, and the grid does not widen past it", flush=True)
 
     tuned = _run_jobs(parser, sweep, tuning_jobs(sweep), "tune", overrides, started)

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowcomm.launch.local import Interrupted, WorkerFailure
     from lowcomm.launch.lock import RunDirLocked
     from lowcomm.launch.slurm import SlurmUnavailable
+    from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
     from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 
     try:
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 2
     except WorkerFailure as exc:
-        if exc.reported:  # the worker printed what it lost and where the run resumes
-            return EXIT_PEERS_LOST
+        if exc.reported:  # the worker printed what it lost or where it diverged, and what is kept
+            return exc.returncode
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 1
     except PeersLost as lost:  # under torchrun: this process is one rank
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             print(lost.line(), flush=True)
         lost.leave()
         return EXIT_PEERS_LOST
+    except RunDiverged as exc:  # a rerun of a run that diverged
+        print(exc, flush=True)
+        return EXIT_DIVERGED
     except (SlurmUnavailable, RunDirLocked, DataError, FileNotFoundError) as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 1

@@ -358,9 +358,13 @@ class Communicator:
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (a control all-reduce)."""
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.control_device)
+        return self.agree_all([flag])[0]
+
+    def agree_all(self, flags: Sequence[bool]) -> list[bool]:
+        """Each of ``flags``, true on every rank if true on any rank: one control all-reduce."""
+        value = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32, device=self.control_device)
         self.all_reduce(value, op="max", purpose="control")
-        return bool(value.item())
+        return [bool(v) for v in value.tolist()]
 
     def split(self, groups: Sequence[Sequence[int]], scope: str) -> Communicator:
         """Create one sub-group per entry of ``groups`` (global ranks; every rank must call

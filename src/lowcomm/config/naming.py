@@ -8,7 +8,8 @@ from typing import Any
 
 # Keys that do not change what is trained, so they do not change the run name.
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
-_LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances")
+_LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
+              "divergence_factor")
 
 
 def derive_run_name(raw: dict[str, Any], world_size: int) -> str:

@@ -40,6 +40,9 @@ class TrainSpec:
     log_every: int = 10
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    # A rank's training loss above divergence_factor x ln(vocabulary size), the loss of a uniform
+    # guess, or not finite, stops the run as diverged (null: only a non-finite loss does).
+    divergence_factor: float | None = 2.0
 
 
 @dataclass

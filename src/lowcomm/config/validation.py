@@ -232,6 +232,10 @@ def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterS
         errors.append("train.checkpoint_every and train.eval_every must be >= 0 (0 disables)")
     if train.keep_checkpoints < 1:
         errors.append(f"train.keep_checkpoints must be >= 1, got {train.keep_checkpoints}")
+    factor = train.divergence_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 1):
+        errors.append(f"train.divergence_factor must be a number > 1 (a multiple of the uniform guess's loss, "
+                      f"ln of the vocabulary size) or null (stop on a non-finite loss only), got {factor!r}")
 
 
 def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, errors: list[str],

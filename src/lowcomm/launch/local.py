@@ -24,6 +24,7 @@ from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
 from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.peers import EXIT_PEERS_LOST
 from lowcomm.train.worker import LAUNCHED_LOCALLY
 
@@ -41,11 +42,12 @@ class Interrupted(RuntimeError):
 class WorkerFailure(RuntimeError):
     def __init__(self, rank: int, returncode: int):
         self.rank, self.returncode = rank, returncode
-        # a worker that lost its peers has printed the line that says which, and where to resume
-        self.reported = returncode == EXIT_PEERS_LOST
+        # a worker that lost its peers, or whose run diverged, has printed the line that says so
+        self.reported = returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED)
         how = f"killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
         if self.reported:
-            how = "stopped: it lost peers (see the line above)"
+            how = ("stopped: the run diverged (see the line above)" if returncode == EXIT_DIVERGED
+                   else "stopped: it lost peers (see the line above)")
         if returncode == -signal.SIGBUS:
             how += " (SIGBUS: a memory-mapped data file shrank or changed while the run read it)"
         super().__init__(f"worker rank {rank} {how}")
@@ -84,6 +86,8 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
     check_gpus(run)
     run_dir = RunDir(run.run_dir)
     if (summary := run_dir.read_summary()) is not None:
+        if summary.get("diverged"):
+            raise RunDiverged(run.run_dir, summary["diverged"])
         print(f"[lowcomm] {run.run_name} is complete ({run_dir.summary}): {summary['steps']} steps, "
               f"final val loss {summary['final_val_loss']:.4f}; nothing to do", flush=True)
         return run.run_dir

@@ -62,7 +62,9 @@ def loss_mb_points(runs: list[RunRecord], *, mb: str = "payload",
         else:
             mb_per_step = run.payload_mb_per_step if mb == "payload" else run.tx_mb_per_step
         loss = run.final_val_loss
-        if mb_per_step is None or loss is None:
+        if run.diverged:
+            skipped.append((run, f"diverged at step {run.diverged['step']} ({run.diverged['reason']})"))
+        elif mb_per_step is None or loss is None:
             skipped.append((run, "no MB/step or validation loss logged yet"))
         elif not math.isfinite(loss):
             skipped.append((run, f"final validation loss is {loss} (diverged)"))

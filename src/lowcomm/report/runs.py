@@ -83,8 +83,16 @@ class RunRecord:
         return self.metrics[-1]["step"] if self.metrics else None
 
     @property
+    def diverged(self) -> dict | None:
+        """The summary's ``diverged`` entry (step, reason, lr) of a run that diverged, else None."""
+        return (self.summary or {}).get("diverged")
+
+    @property
     def final_val_loss(self) -> float | None:
-        """The summary's final validation loss, else the last ``val/loss`` logged."""
+        """The summary's final validation loss, else the last ``val/loss`` logged; None for a run
+        that diverged (its losses before it are no result: reports rank it worst)."""
+        if self.diverged:
+            return None
         if self.summary is not None and self.summary.get("final_val_loss") is not None:
             return float(self.summary["final_val_loss"])
         _, losses = self.series("val/loss")
@@ -92,7 +100,10 @@ class RunRecord:
 
     @property
     def final_train_loss(self) -> float | None:
-        """The last ``train/loss`` logged (the mean over workers of that step's loss)."""
+        """The last ``train/loss`` logged (the mean over workers of that step's loss); None for a
+        run that diverged."""
+        if self.diverged:
+            return None
         _, losses = self.series("train/loss")
         return losses[-1] if losses else None
 

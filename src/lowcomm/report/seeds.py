@@ -40,7 +40,9 @@ class Group:
 
     @property
     def excess(self) -> list[float]:
-        return [run.final_val_loss - (run.bayes_floor or 0.0) for run in self.runs]
+        """Each seed's final validation loss over the Bayes floor; infinite for a seed that
+        diverged (the worst a run can do: a group with one is never the better)."""
+        return [math.inf if run.diverged else run.final_val_loss - (run.bayes_floor or 0.0) for run in self.runs]
 
     @property
     def mean(self) -> float:

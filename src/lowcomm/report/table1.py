@@ -139,7 +139,10 @@ def build_table1(runs: list[RunRecord], paper_rows: list[PaperRow] | None = None
         row.values["final_loss"] = run.final_val_loss if loss == "val" else run.final_train_loss
         row.values["tx_MB_per_step"] = run.payload_mb_per_step
         row.paper = match_paper_row(paper_rows, run.model, run.optimizer, run.chunk, run.topk)
-        if not run.complete:
+        if run.diverged:
+            notes.append(f"{run.path}: diverged at step {run.diverged['step']} ({run.diverged['reason']}): "
+                         "no final loss, ranked worst")
+        elif not run.complete:
             notes.append(f"{run.path}: no summary.json (running or stopped early); "
                          f"numbers at step {run.final_step}")
         evaluation = run.eval_result(eval_step)

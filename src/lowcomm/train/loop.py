@@ -7,6 +7,7 @@ import datetime
 import gc
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +39,29 @@ class TrainResult:
     final_step: int
     preempted: bool
     summary: dict
+    diverged: dict | None = None  # the summary's "diverged" entry when the run diverged
+
+
+# The exit status of a run that diverged: EX_DATAERR of sysexits.h. Rerunning it as it is
+# would diverge again; it needs another setting (the lr), hence another run.
+EXIT_DIVERGED = 65
+
+
+class RunDiverged(RuntimeError):
+    """A run stopped because its loss diverged (``summary.json``'s ``diverged`` entry)."""
+
+    def __init__(self, run_dir: Path, diverged: dict):
+        self.run_dir, self.diverged = run_dir, diverged
+        super().__init__(divergence_line(run_dir, diverged))
+
+
+def divergence_line(run_dir: Path, diverged: dict) -> str:
+    """The one line that says a run diverged, where, and what is kept."""
+    kept = diverged.get("last_checkpoint")
+    return (f"[lowcomm] diverged at step {diverged['step']}: {diverged['reason']} (lr {diverged['lr']:.3g}); "
+            f"no checkpoint written from it, {f'the last finite one is {kept}' if kept else 'no earlier checkpoint'}"
+            f"; {run_dir / 'summary.json'} records the run as diverged: change the lr (or another setting) for a "
+            "new run, or delete the run directory to train this one again")
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -204,7 +228,7 @@ class Trainer:
         progress = Progress(train.max_steps, start, enabled=self.is_main)
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
-        preempted, val_loss = False, None
+        preempted, val_loss, divergence = False, None, None
         self.model.train()
         step = start
         for step in range(start, train.max_steps):
@@ -214,6 +238,21 @@ class Trainer:
             compute_s += self.clock() - t0
             window_steps += 1
             done = step + 1
+            # Every rank agrees, in one control all-reduce, on a stop request (a stop at the last
+            # step is moot: the run finishes and writes its summary) and on a diverged loss.
+            local = float(loss)  # the step's clock has waited for the device already
+            requested = done < train.max_steps and self.should_stop is not None and bool(self.should_stop())
+            stop, diverged = self.comm.agree_all([requested, not self._finite(local)])
+            saving = bool((train.checkpoint_every and done % train.checkpoint_every == 0)
+                          or done == train.max_steps or stop)
+            reason = self._divergence(local) if diverged else None
+            if saving and not diverged and self.comm.agree(not self._parameters_finite()):
+                diverged, reason = True, "the parameters are not finite after the update"
+            if diverged:
+                self.comm.meter.end_step()
+                divergence = {"step": done, "reason": reason, "lr": lr,
+                              "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
+                break
             record: dict = {}
             if done % train.log_every == 0 or done == train.max_steps:
                 record["train/loss"] = self.mean_over_ranks(loss)
@@ -232,29 +271,60 @@ class Trainer:
                     record["val/bayes_floor"] = self.data.bayes_floor
                 progress.last_val = f" | val {val_loss:.4f}" + (
                     f" (floor {self.data.bayes_floor:.4f})" if self.data.bayes_floor is not None else "")
-            # A stop request at the last step is moot: the run finishes (and writes its summary).
-            stop = (done < train.max_steps and self.should_stop is not None
-                    and self.comm.agree(self.should_stop()))
             comm_metrics = self.comm.meter.end_step()
             if record:
                 writer.log(done, {**record, **comm_metrics})
                 if "train/loss" in record:
                     progress.report(step, record["train/loss"], comm_metrics["comm/cum_payload_MB"],
                                     record["perf/tokens_per_s"])
-            if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps or stop:
+            if saving:
                 self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
             if stop:
                 preempted = True
                 break
+        if divergence is not None:
+            summary = {**self._summary(done, None, compute_s, start), "diverged": divergence}
+            if self.is_main:
+                RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2, allow_nan=False))
+                print(divergence_line(self.run_dir, divergence), flush=True)
+            writer.close()
+            return TrainResult(self.run_dir, done, False, summary, diverged=divergence)
         final_step = step + 1 if train.max_steps > start else start
         if val_loss is None and not preempted:
             # restarted from the final checkpoint (killed before summary.json was written)
             val_loss = self.validate()
         summary = self._summary(final_step, val_loss, compute_s, start)
         if self.is_main and not preempted:
-            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2))
+            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2, allow_nan=False))
         writer.close()
         return TrainResult(self.run_dir, final_step, preempted, summary)
+
+    # ------------------------------------------------------------ divergence
+    @property
+    def divergence_bound(self) -> float | None:
+        """The loss above which a run has diverged: ``train.divergence_factor`` x ln(vocabulary
+        size), a multiple of a uniform guess's loss (None: only a non-finite loss)."""
+        factor = self.run.train.divergence_factor
+        return None if factor is None else factor * math.log(self.run.model.vocab_size)
+
+    def _finite(self, loss: float) -> bool:
+        bound = self.divergence_bound
+        return math.isfinite(loss) and (bound is None or loss <= bound)
+
+    def _divergence(self, local: float) -> str:
+        """What diverged, over all ranks (a collective, on the step that diverged only)."""
+        worst = torch.tensor([0.0 if math.isfinite(local) else 1.0, local if math.isfinite(local) else -math.inf],
+                             dtype=torch.float64, device=self.comm.control_device)
+        self.comm.all_reduce(worst, op="max", purpose="control")
+        if worst[0] > 0:
+            return "the training loss is not finite"
+        return (f"the training loss {worst[1].item():.4g} is above {self.divergence_bound:.4g} "
+                f"(train.divergence_factor {self.run.train.divergence_factor:g} x ln(vocabulary size))")
+
+    def _parameters_finite(self) -> bool:
+        """Whether this rank's parameters (its shards under FSDP) are all finite: checked before
+        every checkpoint, so that none is written from a diverged state."""
+        return all(bool(torch.isfinite(p.detach()).all()) for p in self.model.parameters())
 
     def _summary(self, final_step: int, val_loss: float | None, compute_s: float, start: int) -> dict:
         meter, train = self.comm.meter, self.run.train

@@ -12,7 +12,7 @@ import warnings
 
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv
-from lowcomm.train.loop import train
+from lowcomm.train.loop import EXIT_DIVERGED, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import StopFlag
 
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             print(lost.line(), flush=True)
         lost.leave()
         return EXIT_PEERS_LOST
+    if result.diverged is not None:  # rank 0 has printed the line
+        return EXIT_DIVERGED
     if result.preempted and env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
         print(f"[lowcomm] interrupted: stopped at step {result.final_step} with a checkpoint in "
               f"{result.run_dir}; run the same command to resume", flush=True)

@@ -21,7 +21,7 @@ import submitit
 
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
-from lowcomm.train.loop import train
+from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import StopFlag
 
@@ -83,6 +83,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             result = train(run, DistEnv.from_environ(), should_stop=stop)
         except PeersLost as lost:
             leave_after_loss(lost)
+        if result.diverged is not None:  # the job fails, not requeued: rerunning it would diverge again
+            raise RunDiverged(result.run_dir, result.diverged)
         if result.preempted:
             print(f"[lowcomm] rank {rank}: checkpoint at step {result.final_step} written; "
                   "leaving the job to be requeued", flush=True)
