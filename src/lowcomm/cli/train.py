@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Interrupted as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
-        return 130
+        return exc.exit_status
     except KeyboardInterrupt:
-        print("lowcomm-train: interrupted before training started; nothing to resume yet", file=sys.stderr)
+        print("lowcomm-train: interrupted before the workers started; nothing was trained", file=sys.stderr)
         return 130
     print(f"[lowcomm] run directory: {run_dir}")
     return 0

@@ -30,13 +30,35 @@ from lowcomm.train.worker import LAUNCHED_LOCALLY
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C: the workers stopped at a step boundary with a checkpoint (or before training)."""
+    """Ctrl-C (SIGINT) or SIGTERM: the workers stopped at a step boundary with a checkpoint, or,
+    when they could not reach one in time, were stopped with the checkpoints they had."""
 
-    def __init__(self, run_dir: Path, checkpoint: Path | None):
-        self.run_dir, self.checkpoint = run_dir, checkpoint
-        where = (f"stopped with a checkpoint at {checkpoint}" if checkpoint is not None
-                 else f"stopped before a checkpoint was written ({run_dir})")
-        super().__init__(f"interrupted: {where}; run the same command to resume")
+    def __init__(self, run_dir: Path, checkpoint: Path | None, signum: int = signal.SIGINT, *,
+                 in_time: bool = True):
+        self.run_dir, self.checkpoint, self.signum = run_dir, checkpoint, signum
+        name = signal.Signals(signum).name
+        if checkpoint is None:
+            where = f"stopped before a checkpoint was written ({run_dir}); nothing to resume yet"
+        elif in_time:
+            where = f"stopped with a checkpoint at {checkpoint}; run the same command to resume"
+        else:
+            where = (f"the workers did not reach a step boundary in time and were stopped; the latest checkpoint "
+                     f"is {checkpoint}; run the same command to resume from it")
+        super().__init__(f"interrupted ({name}): {where}" if signum != signal.SIGINT else f"interrupted: {where}")
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's status for death by the signal: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached the launcher (``kill``, ``timeout``, ``docker stop``, systemd, SLURM's end
+    of a job): handled as Ctrl-C is."""
+
+
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise _Terminated
 
 
 class WorkerFailure(RuntimeError):
@@ -114,35 +136,64 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
         env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)], env=env,
                                       preexec_fn=_die_with_parent))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         try:
             _wait_all(procs)
-        except KeyboardInterrupt:
-            _finish_interrupted(procs)
+        except (KeyboardInterrupt, _Terminated, WorkerFailure) as exc:
+            if isinstance(exc, WorkerFailure) and exc.returncode not in _STOPPED_BY_SIGNAL:
+                raise
+            # Ctrl-C, SIGTERM, or workers that a signal stopped by themselves (the launcher did
+            # not see it): every worker checkpoints at the same step boundary
+            signum = (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+                      if isinstance(exc, KeyboardInterrupt) else exc.returncode - 128)
+            in_time = _finish_interrupted(procs, signum, interrupt_grace_s(run, signum))
             checkpoints = list_checkpoints(RunDir(run.run_dir).checkpoints)
-            raise Interrupted(run.run_dir, checkpoints[0] if checkpoints else None) from None
+            raise Interrupted(run.run_dir, checkpoints[0] if checkpoints else None, signum,
+                              in_time=in_time) from None
     except BaseException:
         _stop_all(procs)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return run.run_dir
 
 
-# How long the workers may take to reach a step boundary and write their checkpoint after Ctrl-C.
-INTERRUPT_GRACE_S = 600
+# A worker that a stop signal reached checkpoints at the next step boundary and exits with the
+# signal's conventional status (lowcomm.train.worker).
+_STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+# How long the workers may take to reach a step boundary and write their checkpoint after
+# SIGTERM: under SLURM's default KillWait (30 s) and systemd's stop timeout (90 s), so that the
+# checkpoint is written before the SIGKILL that follows. (docker stop waits 10 s: give it
+# --time 30.)
+TERM_GRACE_S = 25
 
 
-def _finish_interrupted(procs: list[subprocess.Popen]) -> None:
-    """After Ctrl-C: let the workers checkpoint at their next step boundary. In a terminal they
-    received the SIGINT themselves; a launcher signalled alone passes it on. A second Ctrl-C
-    stops them at once."""
+def interrupt_grace_s(run: RunConfig, signum: int) -> float:
+    """How long the launcher waits for the step boundary after a stop signal: after SIGTERM
+    :data:`TERM_GRACE_S`; after Ctrl-C a step and its checkpoint, bounded by the collective
+    timeout (a rank that never reaches the boundary makes the others give up within it)."""
+    return TERM_GRACE_S if signum == signal.SIGTERM else run.cluster.collective_timeout_s + 30
+
+
+def _finish_interrupted(procs: list[subprocess.Popen], signum: int, grace_s: float) -> bool:
+    """After a stop signal: let the workers checkpoint at their next step boundary. In a terminal
+    they received Ctrl-C's SIGINT themselves; a launcher signalled alone passes the signal on.
+    A second Ctrl-C or SIGTERM, or ``grace_s`` passing, stops them at once. Returns whether they
+    finished in time."""
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-    print("[lowcomm] interrupted: the workers write a checkpoint at the next step boundary "
-          "(Ctrl-C again to stop them at once)", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + INTERRUPT_GRACE_S
-    for proc in procs:
-        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            proc.send_signal(signum)
+    print(f"[lowcomm] interrupted: the workers write a checkpoint at the next step boundary (at most "
+          f"{grace_s:.0f} s; Ctrl-C again to stop them at once)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + grace_s
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except (KeyboardInterrupt, _Terminated, subprocess.TimeoutExpired):
+        _stop_all(procs)
+        return False
+    return True
 
 
 def _die_with_parent() -> None:
@@ -170,14 +221,10 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """Stop the workers at once: SIGKILL (a worker treats SIGTERM as a request to checkpoint at
+    the next step boundary; what it wrote before is safe, checkpoints are written atomically)."""
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.send_signal(signal.SIGCONT)  # a stopped worker (SIGSTOP) acts on the TERM only now
-    deadline = time.monotonic() + 10
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+    for proc in procs:
+        proc.wait()

@@ -14,22 +14,30 @@ from typing import Any
 
 
 class StopFlag:
-    """Callable as the loop's ``should_stop``: True once one of its signals has arrived."""
+    """Callable as the loop's ``should_stop``: True once one of its signals has arrived;
+    ``received`` is the first that did (None before)."""
 
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.requested = False
-        self._displaced: Any = None
+    def __init__(self, *signums: int) -> None:
+        self.signums = signums
+        self.received: int | None = None
+        self._displaced: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
 
     @classmethod
-    def install(cls, signum: int) -> StopFlag:
-        """Handle ``signum`` with a new flag; the handler it replaces is kept in ``_displaced``."""
-        flag = cls(signum)
-        flag._displaced = signal.signal(signum, flag._on_signal)
+    def install(cls, *signums: int) -> StopFlag:
+        """Handle each of ``signums`` with a new flag; the handlers it replaces are kept in
+        ``_displaced``."""
+        flag = cls(*signums)
+        for signum in signums:
+            flag._displaced[signum] = signal.signal(signum, flag._on_signal)
         return flag
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
-        self.requested = True
+        if self.received is None:
+            self.received = signum
 
     def __call__(self) -> bool:
         return self.requested

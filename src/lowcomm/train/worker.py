@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format="[lowcomm %(name)s] %(message)s")
-    # Ctrl-C (SIGINT to the terminal's process group): checkpoint at the next step boundary.
-    stop = StopFlag.install(signal.SIGINT)
+    # Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (kill, timeout, docker stop,
+    # systemd, torchrun stopping its workers): checkpoint at the next step boundary.
+    stop = StopFlag.install(signal.SIGINT, signal.SIGTERM)
     run = validate(load_run_config(argv[0]))
     try:
         result = train(run, env, should_stop=stop)
@@ -43,9 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PEERS_LOST
     if result.diverged is not None:  # rank 0 has printed the line
         return EXIT_DIVERGED
-    if result.preempted and env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
-        print(f"[lowcomm] interrupted: stopped at step {result.final_step} with a checkpoint in "
-              f"{result.run_dir}; run the same command to resume", flush=True)
+    if result.preempted:
+        if env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
+            print(f"[lowcomm] interrupted ({signal.Signals(stop.received).name}): stopped at step "
+                  f"{result.final_step} with a checkpoint in {result.run_dir}; run the same command to resume",
+                  flush=True)
+        # not finished: the shell's status for the signal, on every rank (one that did not see
+        # the signal itself stopped with the others at the same step)
+        return 128 + (stop.received or signal.SIGINT)
     return 0
 
 

@@ -49,8 +49,9 @@ class PreemptionFlag(StopFlag):
         and the task exits with status 0 and no result, so that neither a result file nor a
         failed task (``srun --kill-on-bad-exit``) can end the job before rank 0 has requeued it.
         """
-        if callable(self._displaced):
-            self._displaced(self.signum, None)
+        (signum,) = self.signums
+        if callable(displaced := self._displaced.get(signum)):
+            displaced(signum, None)
         raise SystemExit(0)
 
 
