@@ -2,38 +2,38 @@
 
 Two launches of the same config share one run directory (its name is derived from the config).
 Had both trained, their ranks would resume from different checkpoints, deadlock in collectives
-and interleave their metrics. The launcher therefore holds ``<run_dir>/.lock`` (host, pid,
-start time) while its workers run; a second launch fails at once naming the owner. A lock left
-by a process that no longer exists on this host is stale and is taken over with a message; a
-lock held from another host cannot be checked from here and is reported, with how to clear it.
+and interleave their metrics. The launcher therefore holds ``<run_dir>/.lock`` while its workers
+run; a second launch fails at once naming the owner.
+
+The lock is the kernel's: ``flock`` on the open file, which the kernel releases when its holder
+dies, however it dies and in whatever PID namespace it runs (a container, ``unshare --pid``), so
+a lock is never mistaken for stale while its holder lives, nor for live because its pid now
+belongs to another process. The file's content (host, boot id, pid, start time) only names the
+holder in the message; a file that nobody holds is a leftover of a dead launcher, taken over with
+a message. Over NFS, Linux maps flock to the server's byte-range locks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
-import logging
 import os
 import socket
 from pathlib import Path
-
-log = logging.getLogger("lowcomm.launch")
 
 LOCK_FILE = ".lock"
 
 
 class RunDirLocked(RuntimeError):
-    """Another live process owns this run directory."""
+    """Another live process holds this run directory."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
+def _boot_id() -> str:
+    with contextlib.suppress(OSError):
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return "?"
 
 
 class RunDirLock:
@@ -41,46 +41,47 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
+        self.owner = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
                       "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        self._descriptor: int | None = None
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
+        for _ in range(10):
+            # O_CLOEXEC: the workers must not inherit the lock (it would outlive the launcher)
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe(_read(descriptor))
+                os.close(descriptor)
+                raise RunDirLocked(f"{self.path.parent} is in use by {holder} (another launch of the same config "
+                                   "is running); wait for it, or stop it first") from None
+            # held; but a releasing owner unlinks the file before letting go of it: this must
+            # still be the file at the path, else lock the new one
+            try:
+                current = os.stat(self.path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                current = False
+            if not current:
+                os.close(descriptor)
                 continue
-            with os.fdopen(descriptor, "w") as handle:
-                json.dump(self.owner, handle)
+            left = _read(descriptor)
+            if left:
+                print(f"[lowcomm] taking over {self.path}: its owner ({_describe(left)}) is gone", flush=True)
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, json.dumps(self.owner).encode(), 0)
+            self._descriptor = descriptor
             return
-        raise RunDirLocked(f"could not take {self.path}: another launch keeps creating it")
-
-    def _take_over_if_stale(self) -> None:
-        try:
-            owner = json.loads(self.path.read_text())
-            host, pid = owner["host"], int(owner["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            log.warning("%s is unreadable; taking it over", self.path)
-            self.path.unlink(missing_ok=True)
-            return
-        who = f"pid {pid} on {host} since {owner.get('since', '?')}"
-        if host != socket.gethostname():
-            raise RunDirLocked(f"{self.path.parent} is in use by {who}; if that process is gone, "
-                               f"delete {self.path} and start again")
-        if _alive(pid):
-            raise RunDirLocked(f"{self.path.parent} is in use by {who} (another launch of the same config is "
-                               "running); wait for it, or stop it first")
-        print(f"[lowcomm] taking over {self.path}: its owner ({who}) is gone", flush=True)
-        self.path.unlink(missing_ok=True)
+        raise RunDirLocked(f"could not take {self.path}: other launches keep taking and releasing it")
 
     def release(self) -> None:
-        try:
-            if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
-                self.path.unlink()
-        except (OSError, ValueError):
-            pass
+        if self._descriptor is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still held: a waiting launch then locks a fresh file
+        os.close(self._descriptor)
+        self._descriptor = None
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
@@ -88,3 +89,17 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _read(descriptor: int) -> str:
+    return os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
+
+
+def _describe(content: str) -> str:
+    """``pid 123 on host (boot 1a2b3c4d) since ...`` from a lock file's content."""
+    try:
+        owner = json.loads(content)
+        return (f"pid {owner['pid']} on {owner['host']} (boot {str(owner.get('boot_id', '?'))[:8]}) "
+                f"since {owner.get('since', '?')}")
+    except (ValueError, KeyError, TypeError):
+        return "an unknown launch (its lock file is unreadable)"
