@@ -119,3 +119,32 @@ def test_a_write_on_a_full_disk_names_the_file_and_the_cause(tmp_path):
         assert list(disk.iterdir()) == []  # the partial file is gone
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def _stop_at_once(rank: int, world_size: int, run) -> int:
+    """One rank of ``run``, stopped (as by Ctrl-C) at its first step boundary; the step reached."""
+    from lowcomm.distenv import DistEnv
+    from lowcomm.train.loop import Trainer
+
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size)
+    return Trainer(run, env, should_stop=lambda: True).fit().final_step
+
+
+@pytest.mark.slow
+def test_retention_never_keeps_an_unusable_checkpoint_in_place_of_the_last_good_one(finished_run, tmp_path):
+    """Checkpoints 2 and 4, the newest damaged; the run resumes from 2 and is interrupted at 3,
+    with keep=2. Kept: 3 and 2 (the damaged 4 deleted, named); were 4 kept instead of 2, one
+    more damaged file would leave nothing to resume from."""
+    from lowcomm.comm.spawn import spawn_workers
+
+    run, pristine = finished_run
+    _fresh(run, pristine)
+    checkpoints = RunDir(run.run_dir).checkpoints
+    _flip_bytes(checkpoints / "step_000000004" / "model.pt")
+    resumed = tiny_run(run.run_root, "train.checkpoint_every=2", "train.keep_checkpoints=2", max_steps=4)
+    assert resumed.run_dir == run.run_dir  # the same run: keep_checkpoints is logistics
+    assert spawn_workers(_stop_at_once, 2, resumed) == [3, 3]
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step_000000002", "step_000000003"]
+
+    (checkpoints / "step_000000003" / "model.pt").unlink()  # the next damage: 2 is still there
+    assert spawn_workers(_stop_at_once, 2, resumed) == [3, 3]

@@ -134,6 +134,8 @@ class CheckpointManager:
         self.comm = comm
         self.strategy = strategy
         self.keep = keep
+        # checkpoints this run could not read when it resumed: never kept in place of good ones
+        self.unusable: set[str] = set()
 
     # ------------------------------------------------------------------- save
     def save(self, step: int, model, optimizer, consumed: int) -> Path:
@@ -172,10 +174,28 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            for old in list_checkpoints(self.root)[self.keep :]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._retain(final)
         self.comm.barrier()
         return final
+
+    def _retain(self, written: Path) -> None:
+        """Keep the newest ``keep`` checkpoints that are not known to be unusable: the one just
+        written (hashed as it was written) always among them, a checkpoint this run failed to
+        read never one of them. Unusable ones are deleted, with a line naming each: kept, they
+        would push the last good checkpoint out (a corrupt step 621 and a new 631 with keep=2
+        would leave nothing to fall back to if 631 were damaged next)."""
+        kept = [written]
+        for path in list_checkpoints(self.root):
+            if path == written:
+                continue
+            if path.name in self.unusable:
+                log.warning("deleting %s: it could not be read when this run resumed", path)
+                shutil.rmtree(path, ignore_errors=True)
+                self.unusable.discard(path.name)
+            elif len(kept) < self.keep:
+                kept.append(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     # --------------------------------------------------------------- restore
     def restore_latest(self, model, optimizer) -> Restored | None:
@@ -198,6 +218,7 @@ class CheckpointManager:
             except CheckpointError as exc:
                 problem = str(exc)
             if self.comm.agree(problem is not None):
+                self.unusable.add(directory.name)
                 found.append(f"{directory.name}: {problem or 'another rank could not read its files'}")
                 log.error("checkpoint %s unusable (%s); falling back to the previous one",
                           directory.name, problem or "another rank could not read its files")
