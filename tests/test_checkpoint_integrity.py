@@ -131,7 +131,7 @@ def _stop_at_once(rank: int, world_size: int, run) -> int:
 
 
 @pytest.mark.slow
-def test_retention_never_keeps_an_unusable_checkpoint_in_place_of_the_last_good_one(finished_run, tmp_path):
+def test_retention_never_keeps_an_unusable_checkpoint_in_place_of_the_last_good_one(finished_run):
     """Checkpoints 2 and 4, the newest damaged; the run resumes from 2 and is interrupted at 3,
     with keep=2. Kept: 3 and 2 (the damaged 4 deleted, named); were 4 kept instead of 2, one
     more damaged file would leave nothing to resume from."""
