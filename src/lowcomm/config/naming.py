@@ -12,11 +12,32 @@ _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
               "divergence_factor")
 
 
+def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
+    """The part of a run config that decides what is trained: everything but where it runs and
+    logs (cluster, wandb, run_root, label, ...) and the training loop's logistics (how often it
+    logs, evaluates and checkpoints). A resume may change the rest, never this."""
+    semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
+    semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+    return semantic
+
+
+def changed_keys(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that both configs set and that differs (a key the
+    older config lacks predates it: not a change)."""
+    lines = []
+    for key in sorted(set(before) & set(after)):
+        old, new = before[key], after[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            lines += changed_keys(old, new, f"{prefix}{key}.")
+        elif old != new:
+            lines.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return lines
+
+
 def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
     """``<model>-<optimizer>[-<compression>]-w<W>-<hash>``: deterministic, so a requeued job
     finds its own checkpoints, and a different config never shares a directory."""
-    semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
-    semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+    semantic = what_is_trained(raw)
     semantic["world_size"] = world_size
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]

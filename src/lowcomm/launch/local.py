@@ -19,7 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from lowcomm.comm.spawn import free_port
-from lowcomm.config import RunConfig
+from lowcomm.config import ConfigError, RunConfig, load_run_config
+from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
@@ -75,9 +76,37 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"worker rank {rank} {how}")
 
 
+# What a resume that changed where or how the run logs (cluster, wandb, logistics) gives its
+# workers; config.yaml stays the record of how the run started.
+RESUME_CONFIG = "config.resume.yaml"
+
+
+def check_same_run(run: RunConfig) -> None:
+    """Before anything is written: a run directory that already holds a run (its config.yaml)
+    takes only that run. Raises ConfigError listing what changed (``optimizer.lr: 0.0004 ->
+    0.1``). Without an explicit run_name a changed config gets another name, hence another
+    directory; this is for the run_name a user chose."""
+    saved_path = RunDir(run.run_dir).config
+    if not saved_path.is_file():
+        return
+    saved = OmegaConf.to_container(load_run_config(saved_path), resolve=True)
+    changes = changed_keys(what_is_trained(saved), what_is_trained(run.raw))
+    if changes:
+        raise ConfigError([f"{run.run_dir} holds another run (run_name={run.run_name}); this config changes "
+                           + "; ".join(changes) + ". Choose another run_name for it, or remove the directory "
+                           "to start that run again"])
+
+
 def write_run_config(run: RunConfig) -> Path:
+    """The config the workers read. A new run's is ``config.yaml``, the record of the run, which
+    a resume never rewrites: a resume that changed where or how the run logs writes its own
+    beside it (:data:`RESUME_CONFIG`)."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
     path = RunDir(run.run_dir).config
+    if path.is_file():
+        if OmegaConf.to_container(OmegaConf.load(path), resolve=True) == run.raw:
+            return path
+        path = run.run_dir / RESUME_CONFIG
     tmp = path.with_suffix(".yaml.tmp")
     OmegaConf.save(OmegaConf.create(run.raw), tmp)
     os.replace(tmp, path)
@@ -119,7 +148,9 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
 
 def prepare_run_dir(run: RunConfig) -> Path:
     """Before any worker starts: the data exists (generated or tokenized once), is the data the
-    run's checkpoints were trained on, and ``config.yaml`` is written. Returns the config path."""
+    run's checkpoints were trained on, the directory holds no other run, and the config is
+    written. Returns the path of the config the workers read."""
+    check_same_run(run)
     files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     resuming = bool(list_checkpoints(RunDir(run.run_dir).checkpoints))
     check_unchanged(run.run_dir, [*files["train"], *files["val"]], resuming=resuming)
