@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import datasets
@@ -347,6 +348,32 @@ def test_cli_evaluates_a_tiny_checkpoint_end_to_end(tmp_path, capsys):
     assert result["tasks"]["arc_easy"]["acc"] == pytest.approx(acc)
     assert result["tasks"]["arc_easy"]["acc_norm"] == pytest.approx(acc_norm)
     assert str(tmp_path / "run") in captured.out  # the summary table
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_retention_deletes_before_its_turn_is_skipped_with_a_note(tmp_path, capsys, monkeypatch):
+    """--all-checkpoints on a run still training: the checkpoints are listed first, and by the
+    time the second one's turn comes the run's retention has deleted it."""
+    import lowcomm.eval
+
+    run = tmp_path / "run"
+    make_run(run, step=2)
+    newer = run / "checkpoints" / "step_000000004"
+    shutil.copytree(run / "checkpoints" / "step_000000002", newer)
+    evaluate = lowcomm.eval.evaluate_checkpoint
+
+    def while_training(checkpoint, *args, **kwargs):
+        shutil.rmtree(newer, ignore_errors=True)  # what the run's retention does meanwhile
+        return evaluate(checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(lowcomm.eval, "evaluate_checkpoint", while_training)
+    code = main([str(run), "--all-checkpoints", "--tasks", "piqa", "--limit", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert (f"lowcomm-eval: note: {newer} was deleted before its turn (a run still training keeps only its newest "
+            "train.keep_checkpoints); skipped") in err
+    assert "error" not in err and "could not be evaluated" not in err
+    assert (run / "eval" / "step_000000002.json").is_file()
 
 
 @pytest.mark.slow

@@ -195,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     manager = task_manager()
-    rows, failures = [], []
+    rows, failures, vanished = [], [], []
     for checkpoint in checkpoints:
+        if not checkpoint.path.is_dir():
+            _note_vanished(checkpoint.path)
+            vanished.append(checkpoint)
+            continue
         print(f"{checkpoint.path}", file=sys.stderr)
         try:
             result = evaluate_checkpoint(
@@ -208,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                 lm_eval_task_manager=manager,
             )
         except CheckpointError as exc:
+            if not checkpoint.path.is_dir():  # deleted while it was read
+                _note_vanished(checkpoint.path)
+                vanished.append(checkpoint)
+                continue
             # One unreadable checkpoint should not cost the evaluations of the others.
             print(f"lowcomm-eval: error: {exc}", file=sys.stderr)
             failures.append(checkpoint)
@@ -221,7 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print(f"lowcomm-eval: {len(failures)} checkpoint(s) could not be evaluated", file=sys.stderr)
         return 1
+    if not rows:  # every one was deleted before its turn
+        print(f"lowcomm-eval: none of the {len(vanished)} checkpoint(s) was left to evaluate", file=sys.stderr)
+        return 1
     return 0
+
+
+def _note_vanished(path: Path) -> None:
+    """A checkpoint listed at the start and gone by its turn: a run still training deletes its
+    older checkpoints (``train.keep_checkpoints``). Not an error: it was complete, not damaged."""
+    print(f"lowcomm-eval: note: {path} was deleted before its turn (a run still training keeps only its newest "
+          "train.keep_checkpoints); skipped", file=sys.stderr)
 
 
 if __name__ == "__main__":
