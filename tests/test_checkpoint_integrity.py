@@ -95,9 +95,13 @@ def test_a_run_whose_checkpoints_are_all_unusable_stops_listing_them(finished_ru
     leftover.mkdir()
     (leftover / "model.pt.part").write_bytes(b"half")
     capfd.readouterr()
-    with pytest.raises(WorkerFailure):
+    with pytest.raises(WorkerFailure) as failed:
         launch_local(run)
     text = "".join(capfd.readouterr())
+    # one line, the first rank's: no traceback of any rank, nor the other rank's lost peer
+    assert str(failed.value).startswith(f"worker rank 0 failed: no usable checkpoint in {checkpoints}; found: ")
+    assert "Traceback" not in text and "lost rank" not in text and failed.value.detail is None
+    text += str(failed.value)
     assert f"no usable checkpoint in {checkpoints}" in text
     assert "step_000000004:" in text and "rank1.pt is missing" in text
     assert "step_000000002:" in text and "model.pt is altered" in text

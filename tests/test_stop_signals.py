@@ -4,8 +4,10 @@ there is: the local launcher with 2 gloo workers on the tiny model, signals sent
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,11 +93,132 @@ def test_a_second_ctrl_c_with_a_stuck_rank_stops_at_once_and_names_the_checkpoin
     assert proc.returncode == 130, out + err
     assert "nothing to resume" not in err
     latest = list_checkpoints(metrics.parent / "checkpoints")[0]
-    assert f"the latest checkpoint is {latest}; run the same command to resume from it" in err
+    assert _final_line(err) == (f"lowcomm-train: interrupted: stopped at once by a second Ctrl-C, before the step "
+                                f"boundary; the last checkpoint is step {_step(latest)} ({latest}); rerun the same "
+                                "command to resume")
     assert not _workers(metrics.parent / "config.yaml")
+
+
+def _final_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("lowcomm-train:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[1])
+
+
+def test_ctrl_c_with_a_stuck_rank_ends_within_the_collective_timeout_naming_the_rank(tmp_path):
+    """The first Ctrl-C waits for a step boundary that a stopped rank never lets come: the other
+    rank gives up within the collective timeout, and the launcher stops at once with its line
+    (not after the whole grace, collective timeout + 30 s)."""
+    proc, metrics = _start(tmp_path, "train.checkpoint_every=2", "cluster.collective_timeout_s=5")
+    while not list_checkpoints(metrics.parent / "checkpoints"):
+        time.sleep(0.05)
+    stuck = _workers(metrics.parent / "config.yaml")[-1]
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        subprocess.run(["kill", "-CONT", str(stuck)], capture_output=True)  # never leave it stopped
+    took = time.monotonic() - started
+    assert proc.returncode == 130, out + err
+    assert took < 5 + 10, f"{took:.1f} s"
+    latest = list_checkpoints(metrics.parent / "checkpoints")[0]
+    assert _final_line(err) == (f"lowcomm-train: interrupted: lost rank 1 on {socket.gethostname()}: stopped or hung, "
+                                "no answer within 5 s (cluster.collective_timeout_s); the last checkpoint is step "
+                                f"{_step(latest)} ({latest}); rerun the same command to resume")
+    assert "Traceback" not in out + err and not _workers(metrics.parent / "config.yaml")
+
+
+_NEVER_AT_A_BOUNDARY = """
+import os, signal, sys, time
+from lowcomm.train.stop import StopDeadline, StopFlag
+flag = StopFlag.install(signal.SIGTERM)
+def expire(signum):
+    print(f"left on {signal.Signals(signum).name}", flush=True)
+    os._exit(128 + signum)
+StopDeadline(flag, signal.SIGTERM, 1.0, expire).start()
+print("ready", flush=True)
+if sys.argv[1] == "blocked":  # waits forever, as a rank in a collective whose peer is stopped
+    os.read(os.pipe()[0], 1)
+else:  # a step boundary comes after half a second: the flag is read there, the checkpoint follows
+    time.sleep(0.5)
+    flag()
+    time.sleep(2)
+    print("checkpoint written", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["blocked", "boundary"])
+def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so(case):
+    """lowcomm.train.stop.StopDeadline, with a bound of 1 s: a process that never reaches its
+    step boundary leaves with the signal's status once the bound passes (its watch wakes on the
+    signal itself, through set_wakeup_fd, whatever the main thread is blocked in); a boundary
+    reached in time disarms it, and the checkpoint that follows may take longer."""
+    child = subprocess.Popen([sys.executable, "-c", _NEVER_AT_A_BOUNDARY, case], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    sent = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=30)
+    if case == "blocked":
+        assert (child.returncode, out.strip()) == (143, "left on SIGTERM")
+        assert time.monotonic() - sent < 5
+    else:
+        assert (child.returncode, out.strip()) == (0, "checkpoint written")
+
+
+def test_the_sigterm_bound_fits_slurms_default_killwait():
+    from lowcomm.train.stop import TERM_BOUNDARY_S
+
+    assert TERM_BOUNDARY_S < TERM_GRACE_S < 30
 
 
 def test_the_wait_for_a_step_boundary_is_bounded(tmp_path):
     run = tiny_run(tmp_path, "cluster.collective_timeout_s=45")
     assert interrupt_grace_s(run, signal.SIGTERM) == TERM_GRACE_S < 30  # SLURM's default KillWait
     assert interrupt_grace_s(run, signal.SIGINT) == 45 + 30  # a stuck rank: the others give up within 45 s
+
+
+def _logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(read_metrics(path)) if path.is_file() else 0
+
+
+@pytest.mark.slurm
+def test_sigterm_in_a_slurm_job_checkpoints_at_the_next_step(local_slurm, tmp_path):  # noqa: ARG001
+    """scancel (SLURM's SIGCONT and SIGTERM to every task, SIGKILL after KillWait: 5 s on the
+    local cluster): the ranks checkpoint at the next step boundary and leave without requeueing,
+    where submitit alone logged "Bypassing signal SIGTERM" and the job was killed with nothing
+    saved since its last periodic checkpoint (none here)."""
+    from lowcomm.cli.train import run_config
+    from lowcomm.config.compose import compose
+    from lowcomm.rundir import RunDir
+
+    run_dir = run_config(compose([*TINY, "data.train_tokens=65536", "data.val_tokens=4096", "cluster=slurm_debug",
+                                  "train.max_steps=4000", "train.checkpoint_every=0", f"run_root={tmp_path}"]))
+    slurm_dir = RunDir(run_dir).slurm_dir
+    job_id = json.loads((slurm_dir / "submissions.jsonl").read_text().splitlines()[-1])["job_id"]
+    deadline = time.monotonic() + 120
+    while _logged_steps(run_dir) < 5:
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.1)
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.monotonic() + 60
+    while subprocess.run(["squeue", "--noheader", f"--jobs={job_id}"], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(0.2)
+
+    logs = {task: (slurm_dir / f"{job_id}_{task}_log.out").read_text() for task in (0, 1)}
+    checkpoints = list_checkpoints(RunDir(run_dir).checkpoints)
+    assert len(checkpoints) == 1, logs
+    step = _step(checkpoints[0])
+    assert 5 <= step <= _logged_steps(run_dir) < 4000
+    for task, log in logs.items():
+        assert (f"[lowcomm] rank {task}: SIGTERM: checkpoint at step {step} written; the job is ending (cancelled, "
+                "out of time or preempted); the run resumes from it when SLURM requeues the job or the run is "
+                "submitted again") in log, log[-3000:]
+    assert not RunDir(run_dir).summary.exists()

@@ -43,6 +43,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be used; the message names the file."""
 
 
+class MetricsError(ValueError):
+    """A ``metrics.jsonl`` that cannot be read or resumed; the message names the file (and line)."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run directory (nothing is created by constructing one)."""
@@ -108,6 +112,20 @@ def list_checkpoints(checkpoint_root: Path) -> list[Path]:
         return []
     dirs = [p for p in checkpoint_root.iterdir() if p.is_dir() and p.name.startswith("step_")]
     return sorted(dirs, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``step_*`` checkpoint directory."""
+    return int(path.name.split("_")[1])
+
+
+def resume_note(run_dir: Path) -> str:
+    """Where a rerun of the run resumes: its newest checkpoint (complete or not: a rerun checks
+    it and falls back), for the line that ends an interrupted or failed run."""
+    newest = list_checkpoints(RunDir(run_dir).checkpoints)
+    if not newest:
+        return "no checkpoint was written yet: a rerun starts from step 0"
+    return f"the last checkpoint is step {checkpoint_step(newest[0])} ({newest[0]}); rerun the same command to resume"
 
 
 def file_digest(path: Path) -> str:
@@ -187,7 +205,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if line_no == len(lines):
                 break
-            raise ValueError(f"{path}:{line_no} is not valid JSON: {exc}") from exc
+            raise MetricsError(f"{path}:{line_no} is not valid JSON: {exc}") from exc
     return records
 
 

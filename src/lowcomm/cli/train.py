@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     from lowcomm.launch.local import Interrupted, WorkerFailure
     from lowcomm.launch.lock import RunDirLocked
     from lowcomm.launch.slurm import SlurmUnavailable
+    from lowcomm.rundir import CheckpointError, MetricsError
     from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
     from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
+    from lowcomm.train.worker import describe_failure
 
     try:
         cfg = compose(args.overrides)
@@ -114,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 2
     except WorkerFailure as exc:
-        if exc.reported:  # the worker printed what it lost or where it diverged, and what is kept
-            return exc.returncode
+        if exc.reported:  # the worker printed where the run diverged, and what is kept
+            return exc.exit_status
+        if exc.detail:  # the first failing rank's traceback, for a cause lowcomm does not know
+            print(exc.detail, file=sys.stderr, end="")
         print(f"lowcomm-train: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_status
     except PeersLost as lost:  # under torchrun: this process is one rank
         if lost.reports:
             print(lost.line(), flush=True)
@@ -126,14 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     except RunDiverged as exc:  # a rerun of a run that diverged
         print(exc, flush=True)
         return EXIT_DIVERGED
-    except (SlurmUnavailable, RunDirLocked, DataError, FileNotFoundError) as exc:
+    except (SlurmUnavailable, RunDirLocked, DataError, MetricsError, CheckpointError) as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file the run needs or writes: a read-only or full disk, a missing file
+        print(f"lowcomm-train: {describe_failure(exc)[0]}", file=sys.stderr)
         return 1
     except Interrupted as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return exc.exit_status
-    except KeyboardInterrupt:
-        print("lowcomm-train: interrupted before the workers started; nothing was trained", file=sys.stderr)
+    except KeyboardInterrupt:  # composing or validating: nothing was launched
+        print("lowcomm-train: interrupted before the run was launched", file=sys.stderr)
         return 130
     print(f"[lowcomm] run directory: {run_dir}")
     return 0

@@ -2,50 +2,58 @@
 
 Like torchrun, but it validates and materialises everything first (config, data) in the
 parent, so a bad config fails before any worker starts, and W workers never race to build
-the synthetic corpus. If any worker dies the others are stopped and the error names the rank.
+the synthetic corpus. Like torchrun, it hosts the workers' rendezvous store itself.
+
+If any worker fails the others are stopped, and one line says what happened: the rank that
+failed first and why, from the words it left (:func:`lowcomm.train.worker.last_words`), not
+what that caused in the others. Ctrl-C and SIGTERM make the workers checkpoint at the next
+step boundary, within a bound (:func:`interrupt_grace_s`), and the launch ends with the
+signal's status and a line that names the checkpoint a rerun resumes from.
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from lowcomm.comm.spawn import free_port
 from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
-from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.peers import EXIT_PEERS_LOST
-from lowcomm.train.worker import LAUNCHED_LOCALLY
+from lowcomm.train.worker import LAUNCHED_LOCALLY, words_file
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C (SIGINT) or SIGTERM: the workers stopped at a step boundary with a checkpoint, or,
-    when they could not reach one in time, were stopped with the checkpoints they had."""
+    """Ctrl-C (SIGINT) or SIGTERM: the workers stopped at a step boundary with a checkpoint
+    (``written``), or did not, and ``why_not`` says why; the line names what a rerun resumes from
+    either way."""
 
-    def __init__(self, run_dir: Path, checkpoint: Path | None, signum: int = signal.SIGINT, *,
-                 in_time: bool = True):
-        self.run_dir, self.checkpoint, self.signum = run_dir, checkpoint, signum
-        name = signal.Signals(signum).name
-        if checkpoint is None:
-            where = f"stopped before a checkpoint was written ({run_dir}); nothing to resume yet"
-        elif in_time:
-            where = f"stopped with a checkpoint at {checkpoint}; run the same command to resume"
+    def __init__(self, run_dir: Path, signum: int = signal.SIGINT, *, written: Path | None = None,
+                 why_not: str | None = None):
+        self.run_dir, self.signum, self.written, self.why_not = run_dir, signum, written, why_not
+        what = "interrupted" if signum == signal.SIGINT else f"interrupted ({signal.Signals(signum).name})"
+        if written is not None:
+            where = f"stopped with a checkpoint at {written}; run the same command to resume"
         else:
-            where = (f"the workers did not reach a step boundary in time and were stopped; the latest checkpoint "
-                     f"is {checkpoint}; run the same command to resume from it")
-        super().__init__(f"interrupted ({name}): {where}" if signum != signal.SIGINT else f"interrupted: {where}")
+            where = f"{why_not or 'no checkpoint was written at the stop'}; {resume_note(run_dir)}"
+        super().__init__(f"{what}: {where}")
 
     @property
     def exit_status(self) -> int:
@@ -62,18 +70,56 @@ def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signatu
     raise _Terminated
 
 
+class _StoppedBySignal(Exception):
+    """Workers ended on a stop signal the launcher did not see (it ignores it: ``nohup``, a
+    script's background job), with the signal's status."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
 class WorkerFailure(RuntimeError):
-    def __init__(self, rank: int, returncode: int):
+    """A worker failed: the one line that says what happened (:meth:`__str__`), for the rank
+    whose failure came first (:func:`_root_cause`); ``detail``: its traceback when the cause is
+    not a known one; ``cause``: the line without where the run resumes."""
+
+    def __init__(self, rank: int, returncode: int, words: dict | None = None, run_dir: Path | None = None):
         self.rank, self.returncode = rank, returncode
-        # a worker that lost its peers, or whose run diverged, has printed the line that says so
-        self.reported = returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED)
-        how = f"killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
-        if self.reported:
-            how = ("stopped: the run diverged (see the line above)" if returncode == EXIT_DIVERGED
-                   else "stopped: it lost peers (see the line above)")
-        if returncode == -signal.SIGBUS:
-            how += " (SIGBUS: a memory-mapped data file shrank or changed while the run read it)"
-        super().__init__(f"worker rank {rank} {how}")
+        words = words or {}
+        self.detail: str | None = words.get("detail")
+        # a worker whose run diverged has printed the line that says so
+        self.reported = returncode == EXIT_DIVERGED
+        resumes = f"; {resume_note(run_dir)}" if run_dir is not None else ""
+        if returncode < 0:
+            name = _signal_name(-returncode)
+            self.cause = f"worker rank {rank} was killed by signal {-returncode} ({name})"
+            if returncode == -signal.SIGBUS:
+                self.cause += " (a memory-mapped data file shrank or changed while the run read it)"
+            line = self.cause + resumes
+        elif self.reported:
+            self.cause = line = "the run diverged (see the line above)"
+        elif words.get("lost"):  # a lost peer's line names the peers, the checkpoint and the rerun
+            self.cause, line = words["cause"], words["line"]
+        elif words:
+            self.cause, line = f"worker rank {rank} failed: {words['cause']}", f"worker rank {rank} failed: {words['line']}"
+        else:
+            self.cause = f"worker rank {rank} exited with code {returncode}"
+            line = self.cause + resumes
+        super().__init__(line)
+
+    @property
+    def exit_status(self) -> int:
+        """What the launcher exits with: a lost peer's EX_TEMPFAIL (rerunning resumes) or a
+        diverged run's EX_DATAERR, as the worker did; 1 otherwise."""
+        return self.returncode if self.returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED) else 1
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 # What a resume that changed where or how the run logs (cluster, wandb, logistics) gives its
@@ -142,8 +188,20 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
         print(f"[lowcomm] {run.run_name} is complete ({run_dir.summary}): {summary['steps']} steps, "
               f"final val loss {summary['final_val_loss']:.4f}; nothing to do", flush=True)
         return run.run_dir
-    with RunDirLock(run.run_dir):
-        return _launch(run, extra_env)
+    # SIGTERM is Ctrl-C (unless this process ignores it); both, before the workers start, stop
+    # the launch with the line that says where a rerun resumes (the lock is released either way)
+    handles_term = (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if handles_term else None
+    try:
+        with RunDirLock(run.run_dir):
+            return _launch(run, extra_env)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signum = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        raise Interrupted(run.run_dir, signum, why_not="before the workers started: nothing was trained") from None
+    finally:
+        if handles_term:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def prepare_run_dir(run: RunConfig) -> Path:
@@ -160,34 +218,51 @@ def prepare_run_dir(run: RunConfig) -> Path:
 def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
     config_path = prepare_run_dir(run)
     world = run.cluster.workers
-    base_env = {**os.environ, **(extra_env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), LAUNCHED_LOCALLY: "1"}
-    procs = []
-    for rank in range(world):
-        env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)], env=env,
-                                      preexec_fn=_die_with_parent))
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    store = rendezvous_store(world, run.cluster.collective_timeout_s)
+    with tempfile.TemporaryDirectory(prefix="lowcomm-words-") as words_dir:
+        base_env = {**os.environ, **(extra_env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                    USE_LAUNCHER_STORE: "True", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                    LAUNCHED_LOCALLY: words_dir}
+        procs = []
         try:
-            _wait_all(procs)
-        except (KeyboardInterrupt, _Terminated, WorkerFailure) as exc:
-            if isinstance(exc, WorkerFailure) and exc.returncode not in _STOPPED_BY_SIGNAL:
-                raise
-            # Ctrl-C, SIGTERM, or workers that a signal stopped by themselves (the launcher did
-            # not see it): every worker checkpoints at the same step boundary
-            signum = (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
-                      if isinstance(exc, KeyboardInterrupt) else exc.returncode - 128)
-            in_time = _finish_interrupted(procs, signum, interrupt_grace_s(run, signum))
-            checkpoints = list_checkpoints(RunDir(run.run_dir).checkpoints)
-            raise Interrupted(run.run_dir, checkpoints[0] if checkpoints else None, signum,
-                              in_time=in_time) from None
-    except BaseException:
-        _stop_all(procs)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            for rank in range(world):
+                env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                procs.append(subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)],
+                                              env=env, preexec_fn=_die_with_parent))
+            before = _newest_checkpoint(run.run_dir)
+            try:
+                _wait_all(procs, Path(words_dir), run.run_dir)
+            except (KeyboardInterrupt, _Terminated, _StoppedBySignal) as exc:
+                # Ctrl-C, SIGTERM, or workers that a signal stopped by themselves (the launcher
+                # did not see it): every worker checkpoints at the same step boundary
+                signum = (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+                          if isinstance(exc, KeyboardInterrupt) else exc.signum)
+                interrupted = _finish_interrupted(procs, run, signum, Path(words_dir), before)
+                if interrupted is not None:
+                    raise interrupted from None
+        finally:
+            _stop_all(procs)
+            del store
     return run.run_dir
+
+
+# What the workers' process-group rendezvous (torch's env://) reads to join a TCP store the
+# launcher hosts rather than one rank 0 opens: torchrun's arrangement. The launcher binds it on a
+# port the kernel chooses, so no other process can take the port between its choice and the
+# bind (with a port chosen first and bound by rank 0, one that did failed the run: EADDRINUSE).
+USE_LAUNCHER_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def rendezvous_store(world: int, timeout_s: int) -> dist.TCPStore:
+    """A TCP store for one launch's workers, listening on a port of the kernel's choosing (its
+    ``port``); one per launch: a store keeps the keys of the process group that used it."""
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    newest = list_checkpoints(RunDir(run_dir).checkpoints)
+    return newest[0] if newest else None
 
 
 # A worker that a stop signal reached checkpoints at the next step boundary and exits with the
@@ -196,7 +271,8 @@ _STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 # How long the workers may take to reach a step boundary and write their checkpoint after
 # SIGTERM: under SLURM's default KillWait (30 s) and systemd's stop timeout (90 s), so that the
 # checkpoint is written before the SIGKILL that follows. (docker stop waits 10 s: give it
-# --time 30.)
+# --time 30.) Each worker leaves by itself, saying so, when its boundary has not come within
+# lowcomm.train.stop.TERM_BOUNDARY_S.
 TERM_GRACE_S = 25
 
 
@@ -207,24 +283,53 @@ def interrupt_grace_s(run: RunConfig, signum: int) -> float:
     return TERM_GRACE_S if signum == signal.SIGTERM else run.cluster.collective_timeout_s + 30
 
 
-def _finish_interrupted(procs: list[subprocess.Popen], signum: int, grace_s: float) -> bool:
+def _finish_interrupted(procs: list[subprocess.Popen], run: RunConfig, signum: int, words_dir: Path,
+                        before: Path | None) -> Interrupted | None:
     """After a stop signal: let the workers checkpoint at their next step boundary. In a terminal
     they received Ctrl-C's SIGINT themselves; a launcher signalled alone passes the signal on.
-    A second Ctrl-C or SIGTERM, or ``grace_s`` passing, stops them at once. Returns whether they
-    finished in time."""
+    The wait ends when they have all left; when one fails (a rank that lost a stuck peer leaves
+    within the collective timeout), at once, with its line; after :func:`interrupt_grace_s`; or at
+    a second Ctrl-C or SIGTERM. Returns what to raise; None when the run finished instead (the
+    signal came during its last step)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signum)
+    grace_s = interrupt_grace_s(run, signum)
     print(f"[lowcomm] interrupted: the workers write a checkpoint at the next step boundary (at most "
           f"{grace_s:.0f} s; Ctrl-C again to stop them at once)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + grace_s
+    why_not = None
     try:
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except (KeyboardInterrupt, _Terminated, subprocess.TimeoutExpired):
-        _stop_all(procs)
-        return False
-    return True
+        while why_not is None:
+            codes = [proc.poll() for proc in procs]
+            failures = {rank: code for rank, code in enumerate(codes)
+                        if code is not None and code not in (0, *_STOPPED_BY_SIGNAL)}
+            # a rank that left on the signal with words gave up on the boundary: the others
+            # cannot write a checkpoint without it
+            gave_up = [words["cause"] for rank, code in enumerate(codes)
+                       if code in _STOPPED_BY_SIGNAL and (words := _read_words(words_dir, rank))]
+            if failures:
+                why_not = _root_cause(failures, words_dir, run.run_dir).cause
+            elif gave_up:
+                why_not = gave_up[0]
+            elif all(code is not None for code in codes):
+                break
+            elif time.monotonic() > deadline:
+                why_not = f"the workers did not reach a step boundary within {grace_s:.0f} s and were stopped"
+            else:
+                time.sleep(0.05)
+    except (KeyboardInterrupt, _Terminated) as again:
+        why_not = (f"stopped at once by a second {'Ctrl-C' if isinstance(again, KeyboardInterrupt) else 'SIGTERM'}, "
+                   "before the step boundary")
+    _stop_all(procs)
+    if why_not is not None:
+        return Interrupted(run.run_dir, signum, why_not=why_not)
+    if all(proc.returncode == 0 for proc in procs) and RunDir(run.run_dir).summary.is_file():
+        return None  # the signal came during the last step: the run finished
+    newest = _newest_checkpoint(run.run_dir)
+    if newest is None or newest == before:
+        return Interrupted(run.run_dir, signum, why_not="the workers left without a checkpoint at the stop")
+    return Interrupted(run.run_dir, signum, written=newest)
 
 
 def _die_with_parent() -> None:
@@ -238,17 +343,44 @@ def _die_with_parent() -> None:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> None:
-    pending = set(range(len(procs)))
-    while pending:
-        for rank in sorted(pending):
-            code = procs[rank].poll()
-            if code is None:
-                continue
-            pending.discard(rank)
-            if code != 0:
-                raise WorkerFailure(rank, code)
+def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path) -> None:
+    """Until every worker has exited with 0. At the first that did not: :class:`WorkerFailure`
+    naming the root cause (:func:`_root_cause`), or :class:`_StoppedBySignal` when the workers
+    ended on a stop signal by themselves."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code == 0 for code in codes):
+            return
+        ended = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
+        if ended:
+            failures = {rank: code for rank, code in ended.items() if code not in _STOPPED_BY_SIGNAL}
+            if failures:
+                raise _root_cause(failures, words_dir, run_dir)
+            raise _StoppedBySignal(next(iter(ended.values())) - 128)
         time.sleep(0.05)
+
+
+def _root_cause(failures: dict[int, int], words_dir: Path, run_dir: Path) -> WorkerFailure:
+    """Of the workers that failed by the time the launcher looked (rank -> exit status), the one
+    whose failure caused the others': a rank killed by a signal, else one that failed by itself
+    (its last words name the cause), else one that lost a peer (a consequence of a peer that
+    stopped or vanished); the lowest rank among equals."""
+
+    def consequence(item: tuple[int, int]) -> tuple[int, int]:
+        rank, code = item
+        return (0 if code < 0 else 2 if code == EXIT_PEERS_LOST else 1, rank)
+
+    rank, code = min(failures.items(), key=consequence)
+    return WorkerFailure(rank, code, _read_words(words_dir, rank), run_dir)
+
+
+def _read_words(words_dir: Path, rank: int) -> dict | None:
+    """A worker's last words (lowcomm.train.worker.last_words), None when it left none."""
+    try:
+        words = json.loads(words_file(words_dir, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return {**words, "cause": words.get("cause") or words["line"]} if isinstance(words, dict) else None
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:

@@ -241,7 +241,10 @@ class Trainer:
             # Every rank agrees, in one control all-reduce, on a stop request (a stop at the last
             # step is moot: the run finishes and writes its summary) and on a diverged loss.
             local = float(loss)  # the step's clock has waited for the device already
-            requested = done < train.max_steps and self.should_stop is not None and bool(self.should_stop())
+            # the flag is read at every boundary, the last included: reading it marks the boundary
+            # reached (a SIGTERM's deadline, lowcomm.train.stop.StopDeadline)
+            asked = self.should_stop is not None and bool(self.should_stop())
+            requested = asked and done < train.max_steps
             stop, diverged = self.comm.agree_all([requested, not self._finite(local)])
             saving = bool((train.checkpoint_every and done % train.checkpoint_every == 0)
                           or done == train.max_steps or stop)

@@ -3,23 +3,43 @@
 A signal handler must not save a checkpoint (every rank writes it together, through
 collectives), so it only sets a flag. The loop reads the flag after each step; the ranks agree
 through one all-reduce (a signal that reached one rank stops all of them at the same step),
-write a checkpoint together and return. Ctrl-C in a terminal and SLURM's preemption signal
-(:class:`lowcomm.launch.slurm.PreemptionFlag`) both work this way.
+write a checkpoint together and return. Ctrl-C in a terminal, SIGTERM and SLURM's preemption
+signal (:class:`lowcomm.launch.slurm.PreemptionFlag`) all work this way.
+
+SIGTERM comes with a deadline: whoever sends it sends SIGKILL once its grace is over (SLURM's
+KillWait, torchrun's 30 s, systemd's stop timeout). :class:`StopDeadline` makes a rank that does
+not reach its step boundary in :data:`TERM_BOUNDARY_S` leave with a line saying so, instead of
+being killed in silence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+# After SIGTERM a rank must reach its step boundary within this many seconds, else it leaves
+# without a checkpoint at the stop, saying so. SLURM sends SIGKILL KillWait seconds after SIGTERM
+# (30 s by default; at the time limit, on scancel, and on a preemption without GraceTime); the
+# 10 s this leaves of a default KillWait are for writing a small model's checkpoint. A larger
+# one takes longer: the time limit is met by the preemption signal (``cluster.signal``,
+# ``signal_delay_s`` ahead), and a cluster that ends jobs by SIGTERM should raise KillWait.
+TERM_BOUNDARY_S = 20
 
 
 class StopFlag:
     """Callable as the loop's ``should_stop``: True once one of its signals has arrived;
-    ``received`` is the first that did (None before)."""
+    ``received`` is the first that did (None before), ``honoured`` whether the loop has since
+    reached a step boundary (read the flag as True)."""
 
     def __init__(self, *signums: int) -> None:
         self.signums = signums
         self.received: int | None = None
+        self.honoured = False
         self._displaced: dict[int, Any] = {}
 
     @property
@@ -40,4 +60,44 @@ class StopFlag:
             self.received = signum
 
     def __call__(self) -> bool:
+        if self.requested:
+            self.honoured = True
         return self.requested
+
+
+class StopDeadline:
+    """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary must come within
+    ``within_s`` seconds (the loop reads ``flag`` there); else ``expire(signum)`` runs, on a
+    thread of its own, and must end the process.
+
+    Python runs a signal handler only when the main thread returns to the interpreter, which a
+    main thread blocked in a collective (a stopped peer) or in a long device call does not; so
+    the watch is woken through :func:`signal.set_wakeup_fd`, which the C-level handler writes
+    the signal's number to at once. :meth:`start` must be called from the main thread, after the
+    flag's handlers are installed.
+    """
+
+    def __init__(self, flag: StopFlag, signum: int, within_s: float, expire: Callable[[int], None]):
+        self.flag, self.signum, self.within_s, self.expire = flag, signum, within_s, expire
+
+    def start(self) -> StopDeadline:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._sockets = (reader, writer)  # kept open for the process's life
+        threading.Thread(target=self._watch, args=(reader,), name="lowcomm-stop-deadline", daemon=True).start()
+        return self
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:  # the number of every handled signal that arrives, one byte each
+            arrived = reader.recv(64)
+            if not arrived:
+                return
+            if self.signum in arrived:
+                break
+        deadline = time.monotonic() + self.within_s
+        while not self.flag.honoured and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.flag.honoured:
+            with contextlib.suppress(Exception):
+                self.expire(self.signum)

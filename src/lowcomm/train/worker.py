@@ -1,23 +1,75 @@
 """One training process: ``python -m lowcomm.train.worker <run_dir>/config.yaml`` with the
-rank and world in its environment (the local launcher, torchrun or a SLURM task sets them)."""
+rank and world in its environment (the local launcher, torchrun or a SLURM task sets them).
+
+A rank that fails ends with one line that says why (:func:`last_words`): a known cause (a
+checkpoint or data file that cannot be used, a file the run cannot write, a bad metrics line)
+as its message alone, anything else with its traceback. Under lowcomm's local launcher the words
+go to the launcher, which prints those of the rank that failed first and leaves out the others'
+consequences (a rank whose peer died reports a lost peer).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import traceback
 import warnings
+from pathlib import Path
+from typing import NoReturn
 
 from lowcomm.config import load_run_config, validate
+from lowcomm.data.memmap import DataError
 from lowcomm.distenv import DistEnv
+from lowcomm.rundir import CheckpointError, MetricsError, resume_note
 from lowcomm.train.loop import EXIT_DIVERGED, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
-from lowcomm.train.stop import StopFlag
+from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
 
-# Set by lowcomm's local launcher, which reports an interruption itself (once, not per rank).
+# Set by lowcomm's local launcher to a directory where each rank leaves its last words
+# (:func:`last_words`); the launcher reports an interruption or a failure itself, once.
 LAUNCHED_LOCALLY = "LOWCOMM_LOCAL_LAUNCHER"
+
+# Failures whose message says all there is to say: no traceback.
+KNOWN_FAILURES = (CheckpointError, DataError, MetricsError, OSError)
+
+
+def words_file(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.json"
+
+
+def last_words(rank: int, line: str, *, cause: str | None = None, detail: str | None = None,
+               lost: bool = False) -> None:
+    """What this rank says as it leaves: ``line`` (one line, no prefix); ``cause``: the line
+    without where a rerun resumes (default: the line); for a failure without a known cause,
+    ``detail`` (its traceback). ``lost``: the line is a lost peer's (:class:`PeersLost`), a
+    consequence when another rank failed first. To the local launcher's
+    directory when there is one, else printed (``[lowcomm] rank R: ...`` on stderr; a lost
+    peer's line as it always was, on stdout)."""
+    directory = os.environ.get(LAUNCHED_LOCALLY)
+    if directory and Path(directory).is_dir():
+        path = words_file(directory, rank)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"line": line, "cause": cause or line, "detail": detail, "lost": lost}))
+        os.replace(tmp, path)
+        return
+    if lost:
+        print(f"[lowcomm] {line}", flush=True)
+        return
+    if detail:
+        print(detail, file=sys.stderr, end="" if detail.endswith("\n") else "\n")
+    print(f"[lowcomm] rank {rank}: {line}", file=sys.stderr, flush=True)
+
+
+def describe_failure(exc: BaseException) -> tuple[str, str | None]:
+    """``(line, traceback or None)`` for a failure: a known cause by its message alone."""
+    if isinstance(exc, OSError) and exc.strerror:  # "Read-only file system: /runs/x/metrics.jsonl"
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else ""), None
+    if isinstance(exc, KNOWN_FAILURES):
+        return str(exc), None
+    return f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING,
                         format="[lowcomm %(name)s] %(message)s")
     # Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (kill, timeout, docker stop,
-    # systemd, torchrun stopping its workers): checkpoint at the next step boundary.
+    # systemd, torchrun stopping its workers): checkpoint at the next step boundary; after
+    # SIGTERM only if that boundary comes within TERM_BOUNDARY_S (SIGKILL follows).
     stop = StopFlag.install(signal.SIGINT, signal.SIGTERM)
     run = validate(load_run_config(argv[0]))
+    StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
+                 lambda signum: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
     try:
         result = train(run, env, should_stop=stop)
     except PeersLost as lost:
         # one line per node instead of a traceback per rank; a rerun resumes from the checkpoint
         if lost.reports:
-            print(lost.line(), flush=True)
+            last_words(env.rank, lost.line().removeprefix("[lowcomm] "), cause=lost.diagnosis.summary(), lost=True)
         lost.leave()
         return EXIT_PEERS_LOST
     if result.diverged is not None:  # rank 0 has printed the line
@@ -55,17 +110,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave_without_checkpoint(rank: int, run_dir: Path, signum: int, within_s: float) -> None:
+    """A stop signal's deadline passed before the step boundary (:class:`StopDeadline`): say so
+    and leave now, with the signal's status, rather than be killed in silence."""
+    cause = (f"rank {rank} reached no step boundary within {within_s:g} s of {signal.Signals(signum).name} (a step "
+             "or a collective was still running) and left without a checkpoint at the stop")
+    last_words(rank, f"{cause}; {resume_note(run_dir)}", cause=cause)
+    leave_now(128 + signum)
+
+
+def leave_now(code: int) -> NoReturn:
+    # os._exit, skipping the interpreter's teardown: its destructor order (torch's C++ threads
+    # against the GIL) can hang a finished worker, and a failed one must exit at once so that the
+    # launcher sees it and stops the other ranks.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    # Leave with os._exit, skipping the interpreter's teardown: its destructor order (torch's
-    # C++ threads against the GIL) can hang a finished worker, and a failed one must exit at
-    # once so that the launcher sees it and stops the other ranks.
     try:
         code = main()
     except KeyboardInterrupt:  # Ctrl-C before the stop flag was installed: nothing to save yet
         code = 130
-    except BaseException:  # noqa: BLE001 - report, then exit without teardown
-        traceback.print_exc()
+    except BaseException as failure:  # noqa: BLE001 - report, then exit without teardown
+        line, detail = describe_failure(failure)
+        last_words(int(os.environ.get("RANK", "0")), line, detail=detail)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_now(code)

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import warnings
 from typing import Any, NoReturn
 
@@ -23,7 +22,8 @@ from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
-from lowcomm.train.stop import StopFlag
+from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
+from lowcomm.train.worker import leave_now, leave_without_checkpoint
 
 
 class PreemptionFlag(StopFlag):
@@ -70,6 +70,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
         # First, so that a signal arriving during start-up is not lost; submitit's handler,
         # installed before this call, is kept for after the checkpoint.
         stop = PreemptionFlag.install()
+        # SIGTERM: the job is ending (scancel, the time limit reached, a preemption, a node
+        # drained), and SIGKILL follows after KillWait. submitit only logs it ("Bypassing signal
+        # SIGTERM"), which loses every step since the last periodic checkpoint; here the ranks
+        # stop at the next step boundary with a checkpoint, as on the preemption signal, if that
+        # boundary comes within TERM_BOUNDARY_S (else each leaves saying so). They do not requeue:
+        # SLURM decides (a preempted job under PreemptMode=REQUEUE is requeued by SLURM itself;
+        # a cancelled one stays cancelled).
+        term = StopFlag.install(signal.SIGTERM)
         rank, _, _, _ = setup_distributed_from_slurm()
         if rank != 0:
             warnings.filterwarnings("ignore")
@@ -80,16 +88,29 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log.addHandler(handler)
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         run = validate(load_run_config(self.config_path))
+        StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
+                     lambda signum: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
         try:
-            result = train(run, DistEnv.from_environ(), should_stop=stop)
+            # both flags read at every boundary (a SIGTERM's deadline counts the reads)
+            result = train(run, DistEnv.from_environ(), should_stop=lambda: stop() | term())
         except PeersLost as lost:
+            if term.requested:  # the job is ending anyway: no requeue from here
+                if lost.reports:
+                    print(lost.line("not requeued: the job is ending (SIGTERM)"), flush=True)
+                lost.leave()
+                leave_now(128 + signal.SIGTERM)
             leave_after_loss(lost)
         if result.diverged is not None:  # the job fails, not requeued: rerunning it would diverge again
             raise RunDiverged(result.run_dir, result.diverged)
-        if result.preempted:
+        if result.preempted and stop.requested:
             print(f"[lowcomm] rank {rank}: checkpoint at step {result.final_step} written; "
                   "leaving the job to be requeued", flush=True)
             stop.hand_over()
+        if result.preempted:  # SIGTERM alone: no result, so that submitit does not take the run as done
+            print(f"[lowcomm] rank {rank}: SIGTERM: checkpoint at step {result.final_step} written; the job is "
+                  "ending (cancelled, out of time or preempted); the run resumes from it when SLURM requeues the job "
+                  "or the run is submitted again", flush=True)
+            raise SystemExit(128 + signal.SIGTERM)
         return result.summary
 
 
@@ -132,9 +153,7 @@ def leave_after_loss(lost: PeersLost) -> NoReturn:
     lost.leave()
     # os._exit: the process group's threads may still be tied to the lost peers, and a normal
     # exit would write no result either way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_PEERS_LOST)
+    leave_now(EXIT_PEERS_LOST)
 
 
 def requeued_since_start(job_id: str) -> bool:

@@ -1,0 +1,92 @@
+"""Every failure of a local run ends with one line that says what happened, and a failed or
+interrupted run never exits 0: a killed worker is named with its signal (the other rank's lost
+peer, a consequence, left out), a read-only run root is one line, and a port taken before the
+workers bind it costs nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lowcomm.launch import local
+from lowcomm.rundir import RunDir, list_checkpoints, read_metrics
+from runs import SMALL_SYNTHETIC, TINY, tiny_run
+
+pytestmark = pytest.mark.slow
+
+
+def _train(run_root: Path, *extra: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lowcomm.cli.train", *TINY, *SMALL_SYNTHETIC, f"run_root={run_root}",
+                             "cluster.workers=2", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+
+
+def _workers(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the run's worker processes."""
+    found = subprocess.run(["pgrep", "-f", f"lowcomm.train.worker {run_dir}"], capture_output=True, text=True)
+    ranks = {}
+    for pid in map(int, found.stdout.split()):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])] = pid
+    return ranks
+
+
+def _lowcomm_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("lowcomm-train:")]
+
+
+def test_a_killed_worker_is_named_with_its_signal_in_one_line(tmp_path):
+    run = tiny_run(tmp_path, "train.checkpoint_every=3", max_steps=400)
+    proc = _train(tmp_path, "train.max_steps=400", "train.checkpoint_every=3")
+    deadline = time.monotonic() + 240
+    while not list_checkpoints(RunDir(run.run_dir).checkpoints) or len(_workers(run.run_dir)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(_workers(run.run_dir)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 1, out + err
+    step = int(list_checkpoints(RunDir(run.run_dir).checkpoints)[0].name.split("_")[1])
+    assert _lowcomm_lines(err) == [
+        f"lowcomm-train: worker rank 1 was killed by signal 9 (SIGKILL); the last checkpoint is step {step} "
+        f"({list_checkpoints(RunDir(run.run_dir).checkpoints)[0]}); rerun the same command to resume"]
+    # rank 0 lost its peer because of it: a consequence, not a second report
+    assert "lost rank 1" not in out + err and "Traceback" not in out + err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root to mount a read-only tmpfs")
+def test_a_read_only_run_root_is_one_line(tmp_path):
+    root = tmp_path / f"ro-{uuid.uuid4().hex[:6]}"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(root)], check=True)
+    try:
+        proc = _train(root, "train.max_steps=2")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+    assert proc.returncode == 1, out + err
+    assert err.splitlines() == [f"lowcomm-train: Read-only file system: {root / 'default'}"]
+
+
+def test_a_port_taken_between_its_choice_and_the_bind_costs_nothing(tmp_path, monkeypatch):
+    """The launcher binds the workers' rendezvous store itself, on a port the kernel gives it:
+    there is no window between choosing a port and binding it (before, a port chosen free and
+    taken before rank 0 bound it failed the run with EADDRINUSE). Here the old way's choice is a
+    port another process holds."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(local, "free_port", lambda: taken.getsockname()[1], raising=False)
+    run = tiny_run(tmp_path, "train.checkpoint_every=0", max_steps=2)
+    try:
+        local.launch_local(run)
+    finally:
+        taken.close()
+    assert [record["step"] for record in read_metrics(RunDir(run.run_dir).metrics)] == [1, 2]
