@@ -1,7 +1,8 @@
 """Every failure of a local run ends with one line that says what happened, and a failed or
 interrupted run never exits 0: a killed worker is named with its signal (the other rank's lost
-peer, a consequence, left out), a read-only run root is one line, and a port taken before the
-workers bind it costs nothing."""
+peer, a consequence, left out), a resume whose metrics record is gone or malformed is refused
+before anything starts, a read-only run root is one line, and a port taken before the workers
+bind it costs nothing."""
 
 from __future__ import annotations
 
@@ -61,6 +62,56 @@ def test_a_killed_worker_is_named_with_its_signal_in_one_line(tmp_path):
         f"({list_checkpoints(RunDir(run.run_dir).checkpoints)[0]}); rerun the same command to resume"]
     # rank 0 lost its peer because of it: a consequence, not a second report
     assert "lost rank 1" not in out + err and "Traceback" not in out + err
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A tiny run stopped after its checkpoint at step 2 (step 4's and the summary removed)."""
+    root = tmp_path_factory.mktemp("stopped")
+    run = tiny_run(root, "train.checkpoint_every=2", max_steps=4)
+    local.launch_local(run)
+    shutil.rmtree(RunDir(run.run_dir).checkpoints / "step_000000004")
+    RunDir(run.run_dir).summary.unlink()
+    return run
+
+
+def _resume(run) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lowcomm.cli.train", *TINY, *SMALL_SYNTHETIC,
+                           f"run_root={run.run_root}", "cluster.workers=2", "train.max_steps=4",
+                           "train.checkpoint_every=2"], capture_output=True, text=True, timeout=300)
+
+
+def test_a_resume_without_its_metrics_record_is_refused_naming_the_file(stopped_run):
+    """Refused, not warned about: the resumed run's curves and tables would start at step 2 with
+    nothing to say steps were lost, and the old file could no longer be put back as it was."""
+    metrics = RunDir(stopped_run.run_dir).metrics
+    kept = metrics.read_bytes()
+    metrics.unlink()
+    try:
+        done = _resume(stopped_run)
+    finally:
+        metrics.write_bytes(kept)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"lowcomm-train: {metrics} is missing, but the run has checkpoints (the newest at step 2): resuming would "
+        "leave the metrics of steps 1-2 out of its curves and tables. Put the file back; or, to resume without "
+        f"them, create it empty (touch {metrics}); or remove {stopped_run.run_dir} to train the run again"]
+    assert not (RunDir(stopped_run.run_dir).checkpoints / "step_000000004").exists()  # nothing trained
+
+
+def test_a_bad_metrics_line_is_named_before_any_worker_starts(stopped_run):
+    metrics = RunDir(stopped_run.run_dir).metrics
+    kept = metrics.read_bytes()
+    lines = kept.decode().splitlines(keepends=True)
+    metrics.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))
+    try:
+        done = _resume(stopped_run)
+    finally:
+        metrics.write_bytes(kept)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"lowcomm-train: {metrics}:2 is not valid JSON")
+    assert done.stderr.rstrip().endswith("fix or delete that line, then run the same command again")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root to mount a read-only tmpfs")

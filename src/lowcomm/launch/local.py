@@ -36,6 +36,7 @@ from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
+from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
 from lowcomm.train.worker import LAUNCHED_LOCALLY, words_file
 
@@ -211,6 +212,8 @@ def prepare_run_dir(run: RunConfig) -> Path:
     check_same_run(run)
     files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     resuming = bool(list_checkpoints(RunDir(run.run_dir).checkpoints))
+    if resuming:
+        check_resumable(run.run_dir)
     check_unchanged(run.run_dir, [*files["train"], *files["val"]], resuming=resuming)
     return write_run_config(run)
 

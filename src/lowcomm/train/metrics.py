@@ -10,9 +10,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lowcomm.rundir import RunDir, read_metrics
+from lowcomm.rundir import MetricsError, RunDir, checkpoint_step, list_checkpoints, read_metrics
 
-__all__ = ["MetricsWriter", "Progress", "read_metrics", "truncate_after"]
+__all__ = ["MetricsWriter", "Progress", "check_resumable", "read_metrics", "truncate_after"]
+
+
+def check_resumable(run_dir: Path) -> None:
+    """Before a resume: the run's record of the steps its checkpoints hold is there and readable.
+
+    A missing ``metrics.jsonl`` is refused, not warned about: the resume would write a new one
+    from the checkpoint's step on, so the curves, tables and figures of the run would start
+    there with nothing to say that steps were lost, and a copy of the old file (a backup, a
+    snapshot) could no longer be put back without merging. To resume without those steps is a
+    choice the user makes by creating the file empty. A line that does not parse (other than a
+    last one cut off while being written) is named with its line number."""
+    path = RunDir(run_dir).metrics
+    newest = list_checkpoints(RunDir(run_dir).checkpoints)
+    if not newest:
+        return
+    if not path.exists():
+        step = checkpoint_step(newest[0])
+        raise MetricsError(
+            f"{path} is missing, but the run has checkpoints (the newest at step {step}): resuming would leave "
+            f"the metrics of steps 1-{step} out of its curves and tables. Put the file back; or, to resume without "
+            f"them, create it empty (touch {path}); or remove {run_dir} to train the run again")
+    try:
+        read_metrics(path)
+    except MetricsError as exc:
+        raise MetricsError(f"{exc}: fix or delete that line, then run the same command again") from exc
 
 def truncate_after(path: Path, step: int) -> int:
     """Drop records logged after ``step`` (a resumed run re-logs them); return how many."""
