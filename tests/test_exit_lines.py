@@ -1,8 +1,8 @@
 """Every failure of a local run ends with one line that says what happened, and a failed or
 interrupted run never exits 0: a killed worker is named with its signal (the other rank's lost
 peer, a consequence, left out), a resume whose metrics record is gone or malformed is refused
-before anything starts, a read-only run root is one line, and a port taken before the workers
-bind it costs nothing."""
+before anything starts, a read-only run root is one line, a port taken before the workers bind
+it costs nothing, and an interrupted ``lowcomm-sweep run`` exits 130 with one line."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 from lowcomm.launch import local
 from lowcomm.rundir import RunDir, list_checkpoints, read_metrics
-from runs import SMALL_SYNTHETIC, TINY, tiny_run
+from runs import SMALL_SYNTHETIC, TINY, micro_sweep_overrides, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +141,24 @@ def test_a_port_taken_between_its_choice_and_the_bind_costs_nothing(tmp_path, mo
     finally:
         taken.close()
     assert [record["step"] for record in read_metrics(RunDir(run.run_dir).metrics)] == [1, 2]
+
+
+def test_an_interrupted_sweep_run_exits_130_with_one_line(tmp_path):
+    sweep = tmp_path / "one.yaml"
+    sweep.write_text("base: [experiment=quickstart, train.max_steps=400, train.checkpoint_every=0, train.log_every=1]\n"
+                     "points: [[optimizer=adamw_ddp, \"label='AdamW-DDP'\"]]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.sweep", "run", str(sweep), "--out", str(tmp_path / "out"),
+                             *micro_sweep_overrides(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not any(read_metrics(path) for path in (tmp_path / "runs").glob("*/*/metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    out, err = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    checkpoint = next((tmp_path / "runs").glob("*/*/checkpoints/step_*"))
+    assert [line for line in err.splitlines() if line.startswith("lowcomm-sweep:")] == [
+        f"lowcomm-sweep: interrupted: stopped with a checkpoint at {checkpoint}; run the same command to resume"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.sweep import load_sweep, plan_sweep
-from lowcomm.launch.local import WorkerFailure, launch_local
+from lowcomm.launch.local import Interrupted, WorkerFailure, launch_local
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.runs import load_run
 from lowcomm.report.tables import SUMMARY_COLUMNS, markdown_table, summary_columns, summary_rows, write_csv
@@ -61,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             launch_local(run)
         except WorkerFailure as exc:
+            if exc.detail:  # the first failing rank's traceback, for a cause lowcomm does not know
+                print(exc.detail, file=sys.stderr, end="")
             print(f"quickstart: {label} failed: {exc}", file=sys.stderr)
             return 1
+        except Interrupted as exc:  # a rerun resumes this run and skips the finished ones
+            print(f"quickstart: {exc}", file=sys.stderr)
+            return exc.exit_status
     training_s = time.perf_counter() - started
 
     eval_s = 0.0

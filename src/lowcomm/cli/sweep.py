@@ -353,6 +353,8 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
             pass  # its line is printed; the tuner and the reports rank it worst and say so
         except WorkerFailure as exc:
             if exc.returncode != EXIT_DIVERGED:
+                if exc.detail:  # the first failing rank's traceback, for a cause lowcomm does not know
+                    print(exc.detail, file=sys.stderr, end="")
                 print(f"{PROG}: {label} failed: {exc}", file=sys.stderr)
                 return None
         done += fresh
@@ -555,7 +557,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if rest:
         args.overrides = [*args.overrides, *rest]
-    return args.handler(parser, args)
+    try:
+        return args.handler(parser, args)
+    except KeyboardInterrupt:  # planning or between runs: a run interrupted raises Interrupted
+        print(f"{PROG}: interrupted; finished runs are kept, run the same command to go on", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from lowcomm.launch.local import Interrupted
+
+        if not isinstance(exc, Interrupted):
+            raise
+        # one line, the signal's status: a rerun resumes this run and skips the finished ones
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return exc.exit_status
 
 
 if __name__ == "__main__":
