@@ -57,7 +57,7 @@ def test_memmap_dtype_that_does_not_match_the_file_size(tmp_path):
     np.arange(99, dtype=np.uint16).tofile(path)  # 198 bytes: not a whole number of uint32
     message = _error(tmp_path, "data=memmap", f"data.paths=[{path}]", f"data.val_paths=[{path}]",
                      "data.dtype=uint32")
-    assert f"data.paths.dtype=uint32 does not match {path}" in message and "198 bytes" in message
+    assert f"data.dtype=uint32 does not match {path}" in message and "198 bytes" in message
 
 
 def test_warmup_longer_than_the_run(tmp_path):

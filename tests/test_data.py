@@ -47,12 +47,12 @@ def test_token_file_checks_name_the_problem(tmp_path):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02\x00\x03\x00")  # 6 bytes: fine as uint16, not as uint32
     assert check_token_file(odd, "uint16") == 3
-    with pytest.raises(DataError, match=r"dtype=uint32 does not match .*odd.bin.*6 bytes"):
+    with pytest.raises(DataError, match=r"data.dtype=uint32 does not match .*odd.bin.*6 bytes.*set data.dtype=uint16"):
         check_token_file(odd, "uint32")
     with pytest.raises(DataError, match="does not exist"):
         check_token_file(tmp_path / "missing.bin", "uint16")
-    with pytest.raises(DataError, match="token id 3 >= the model's vocab_size 3"):
-        check_token_file(odd, "uint16", vocab_size=3)
+    with pytest.raises(DataError, match="holds 3 tokens, fewer than one sequence"):
+        check_token_file(odd, "uint16", seq_len=4)
 
 
 def test_synthetic_corpus_is_deterministic_and_starts_every_instance_with_a_document(tmp_path):

@@ -258,8 +258,9 @@ def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, er
                 continue
             try:
                 for path in expand_paths(getattr(data, key), f"data.{key}"):
-                    check_token_file(path, data.dtype, vocab_size=model.vocab_size if model else None,
-                                     key=f"data.{key}")
+                    # from the sizes only; the contents are scanned once, before spawning
+                    # (lowcomm.config.data_checks.check_run_data)
+                    check_token_file(path, data.dtype, seq_len=train.seq_len, key=f"data.{key}")
             except DataError as exc:
                 errors.append(str(exc))
         return

@@ -46,10 +46,13 @@ def available_tokens(patterns: list[str] | tuple[str, ...], dtype: str) -> tuple
     return len(paths), sum(path.stat().st_size // itemsize for path in paths)
 
 
-def check_token_file(path: Path, dtype: str, *, vocab_size: int | None = None, key: str = "data") -> int:
-    """Validate one token file; return its number of tokens."""
+def check_token_file(path: Path, dtype: str, *, seq_len: int | None = None, key: str = "data") -> int:
+    """Validate one token file from its size alone (nothing is read); return its number of tokens.
+
+    What needs its contents (the largest id, the layout, a fingerprint) is the whole-file scan's
+    (:mod:`lowcomm.data.scan`), run once per file before anything is spawned."""
     if dtype not in DTYPES:
-        raise DataError(f"{key}.dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        raise DataError(f"data.dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     if not path.is_file():
         raise DataError(f"{key}: {path} does not exist")
     size = path.stat().st_size
@@ -58,19 +61,21 @@ def check_token_file(path: Path, dtype: str, *, vocab_size: int | None = None, k
         raise DataError(f"{key}: {path} is empty")
     if size % itemsize:
         raise DataError(
-            f"{key}.dtype={dtype} does not match {path}: its size, {size} bytes, is not a multiple of "
-            f"{itemsize} bytes per token (is the file {'uint16' if dtype == 'uint32' else 'something else'}?)"
+            f"data.dtype={dtype} does not match {path} ({key}): its size, {size} bytes, is not a multiple of "
+            f"{itemsize} bytes per token"
+            + (" (is the file uint16? then set data.dtype=uint16)" if dtype == "uint32" else "")
         )
     n_tokens = size // itemsize
-    if vocab_size is not None:
-        sample = np.memmap(path, dtype=DTYPES[dtype], mode="r", shape=(min(n_tokens, 1 << 20),))
-        largest = int(sample.max())
-        if largest >= vocab_size:
-            raise DataError(
-                f"{key}: {path} holds token id {largest} >= the model's vocab_size {vocab_size}; "
-                f"wrong {key}.dtype ({dtype}) or a file made with another tokenizer"
-            )
+    if seq_len is not None and n_tokens < seq_len:
+        raise DataError(short_file_message(path, n_tokens, seq_len, key,
+                                           f"remove it from {key} or lower train.seq_len"))
     return n_tokens
+
+
+def short_file_message(path: Path, n_tokens: int, seq_len: int, key: str, remedy: str) -> str:
+    """A file that holds no whole instance: the loader would take nothing from it."""
+    return (f"{key}: {path} holds {n_tokens:,} tokens, fewer than one sequence (train.seq_len={seq_len}), "
+            f"so no instance can be read from it; {remedy}")
 
 
 class MemmapDataset:

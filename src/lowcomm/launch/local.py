@@ -30,9 +30,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from lowcomm.config import ConfigError, RunConfig, load_run_config
+from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
-from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.launch.lock import RunDirLock
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
@@ -206,15 +206,15 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
 
 
 def prepare_run_dir(run: RunConfig) -> Path:
-    """Before any worker starts: the data exists (generated or tokenized once), is the data the
-    run's checkpoints were trained on, the directory holds no other run, and the config is
-    written. Returns the path of the config the workers read."""
+    """Before any worker starts: the directory holds no other run, the data exists (generated
+    or tokenized once), fits the model over every byte, is the data the run's checkpoints were
+    trained on, and ``config.yaml`` is written. Returns the path of the config the workers read."""
     check_same_run(run)
     files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     resuming = bool(list_checkpoints(RunDir(run.run_dir).checkpoints))
     if resuming:
         check_resumable(run.run_dir)
-    check_unchanged(run.run_dir, [*files["train"], *files["val"]], resuming=resuming)
+    check_run_data(run, files, resuming=resuming)
     return write_run_config(run)
 
 

@@ -1,0 +1,259 @@
+"""Whole-file data checks, before anything is spawned: every token id against the model's
+vocabulary (not its padded embedding), a uint32 file declared uint16, files shorter than one
+sequence, a fingerprint over every byte, and a scan cached per file."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowcomm.config import ConfigError
+from lowcomm.config.compose import compose
+from lowcomm.config.schema import DataSpec, TrainSpec
+from lowcomm.data import materialize
+from lowcomm.data.fingerprint import FINGERPRINT_FILE, check_unchanged
+from lowcomm.data.memmap import DataError
+from lowcomm.launch.local import prepare_run_dir
+from lowcomm.models.olmo import ModelSpec
+from runs import tiny_run
+
+# More than the 2^20 tokens that the checks before this one looked at.
+LONG = 1_200_000
+
+
+def _tokens(path: Path, count: int, *, high: int = 257, dtype=np.uint16, seed: int = 0) -> np.ndarray:
+    tokens = np.random.default_rng(seed).integers(0, high, size=count).astype(dtype)
+    tokens.tofile(path)
+    return tokens
+
+
+def _memmap_run(tmp_path: Path, train: Path, val: Path, *overrides: str):
+    return tiny_run(tmp_path / "runs", "data=memmap", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+                    *overrides, workers=1, max_steps=2)
+
+
+SCHEMAS = {"model": ModelSpec, "data": DataSpec, "train": TrainSpec}
+
+
+def assert_suggested_keys_exist(message: str) -> None:
+    """Every ``group=option`` and ``section.key`` a message names exists (issue 26: a hint
+    named ``data.paths.dtype``, which OmegaConf then refused with a traceback)."""
+    message = re.sub(r"\S*/\S*", "<path>", message)
+    for section, dotted, value in re.findall(r"\b(model|data|train)(?:\.([\w.]+))?=([A-Za-z0-9_]+)", message):
+        if dotted:
+            assert dotted in {f.name for f in dataclasses.fields(SCHEMAS[section])}, f"{section}.{dotted} in {message}"
+        else:
+            compose([f"{section}={value}"])  # raises for an option that does not exist
+    for section, dotted in re.findall(r"\b(model|data|train)\.([a-z_][\w.]*[a-z_])", message):
+        assert dotted in {f.name for f in dataclasses.fields(SCHEMAS[section])}, f"{section}.{dotted} in {message}"
+
+
+# ----------------------------------------------------------------------------- the vocabulary
+
+
+def test_an_id_out_of_the_vocabulary_near_the_end_of_a_file_is_refused_before_spawning(tmp_path, capsys):
+    """Today: after spawning, `IndexError: index out of range in self`, two tracebacks."""
+    from lowcomm.cli.train import main
+
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    tokens = _tokens(train, LONG)
+    tokens[LONG - 10] = 50_000  # made with the OLMo tokenizer, say
+    tokens.tofile(train)
+    _tokens(val, 20_000, seed=1)
+    run_root = tmp_path / "runs"
+
+    code = main(["wandb.mode=disabled", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
+                 "train.warmup_steps=0", "train.eval_every=0", "train.eval_instances=8", "train.max_steps=2",
+                 "cluster.workers=1", f"run_root={run_root}", "data=memmap", f"data.paths=[{train}]",
+                 f"data.val_paths=[{val}]"])
+
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"data.paths: {train} holds token id 50,000 (first at token {LONG - 10:,} of {LONG:,})" in err
+    assert "model=tiny takes ids below 257" in err
+    assert "model=olmo_1b or model=olmo_300m" in err  # the models whose tokenizer holds it
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(run_root.glob("default/*/config.yaml"))  # nothing was launched
+    assert_suggested_keys_exist(err)
+
+
+def test_ids_between_the_vocabulary_and_the_padded_embedding_are_refused(tmp_path):
+    """Today: id 300 of the tiny model (vocab 257, embedding 384) trains silently."""
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    tokens = _tokens(train, LONG)
+    tokens[LONG - 1] = 300
+    tokens.tofile(train)
+    _tokens(val, 20_000, seed=1)
+
+    with pytest.raises(DataError) as info:
+        prepare_run_dir(_memmap_run(tmp_path, train, val))
+
+    message = str(info.value)
+    assert f"{train} holds token id 300 (first at token {LONG - 1:,}" in message
+    assert "model.embedding_size=384 only pads it: ids 257-383 would train silently" in message
+    assert not (_memmap_run(tmp_path, train, val).run_dir / "config.yaml").exists()
+    assert_suggested_keys_exist(message)
+
+
+def test_uint16_tokens_declared_uint32_are_named(tmp_path):
+    train = tmp_path / "train.bin"
+    _tokens(train, 200_000, high=50_000)
+    run = _memmap_run(tmp_path, train, train, "model=olmo_300m", "data.dtype=uint32")
+    with pytest.raises(DataError, match="probably uint16 tokens read as uint32 .*; set data.dtype=uint16") as info:
+        prepare_run_dir(run)
+    assert_suggested_keys_exist(str(info.value))
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+def test_uint32_tokens_declared_uint16_are_detected(tmp_path):
+    """Today: trains silently on t,0,t,0,... (every id is below the vocabulary)."""
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    _tokens(train, 300_000, dtype=np.uint32)
+    _tokens(val, 20_000, dtype=np.uint32, seed=1)
+
+    with pytest.raises(DataError) as info:
+        prepare_run_dir(_memmap_run(tmp_path, train, val))
+
+    message = str(info.value)
+    assert f"data.paths: {train} looks like uint32 tokens read as uint16" in message
+    assert f"data.val_paths: {val} looks like uint32 tokens read as uint16" in message
+    assert "set data.dtype=uint32" in message
+    assert_suggested_keys_exist(message)
+    prepare_run_dir(_memmap_run(tmp_path, train, val, "data.dtype=uint32"))  # the suggestion works
+
+
+def test_real_uint16_tokens_with_many_zeros_are_not_called_uint32(tmp_path):
+    train = tmp_path / "train.bin"
+    tokens = _tokens(train, 300_000)
+    tokens[::7] = 0  # EOS id 0 in some tokenizers, padding, ...
+    tokens.tofile(train)
+    prepare_run_dir(_memmap_run(tmp_path, train, train))
+
+
+# ----------------------------------------------------------------------------- short files
+
+
+def test_a_memmap_file_shorter_than_one_sequence_is_refused_before_spawning(tmp_path):
+    """Today: `... hold no instance of 64 tokens` inside the workers, after spawning."""
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    _tokens(train, 20_000)
+    _tokens(val, 50)
+    with pytest.raises(ConfigError) as info:
+        _memmap_run(tmp_path, train, val)
+    message = str(info.value)
+    assert (f"data.val_paths: {val} holds 50 tokens, fewer than one sequence (train.seq_len=64), so no instance "
+            "can be read from it; remove it from data.val_paths or lower train.seq_len") in message
+    assert_suggested_keys_exist(message)
+
+
+def test_a_text_corpus_whose_validation_split_is_shorter_than_one_sequence_is_refused(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(300)))
+    run = tiny_run(tmp_path / "runs", "data=text", f"data.paths=[{tmp_path}/docs.jsonl]", "data.val_fraction=0.02",
+                   workers=1)
+    with pytest.raises(DataError) as info:
+        prepare_run_dir(run)
+    message = str(info.value)
+    assert re.search(r"data=text \(validation split\): \S+/val\.bin holds \d+ tokens, fewer than one sequence "
+                     r"\(train\.seq_len=64\).*raise data\.val_fraction", message), message
+    assert_suggested_keys_exist(message)
+
+
+# ----------------------------------------------------------------------------- the fingerprint
+
+
+def test_a_rewrite_in_place_at_a_quarter_of_a_file_stops_a_resume(tmp_path):
+    """Today: three sampled 64 KiB windows (start, middle, end) miss it."""
+    tokens_path = tmp_path / "tokens.bin"
+    tokens = _tokens(tokens_path, 2_000_000)
+    run_dir = tmp_path / "run"
+    check_unchanged(run_dir, [tokens_path], resuming=False)  # the run starts
+    check_unchanged(run_dir, [tokens_path], resuming=True)  # same data: resumes
+
+    quarter = len(tokens) // 4
+    with tokens_path.open("r+b") as handle:  # in place: same size, same inode
+        handle.seek(quarter * 2)
+        handle.write(((tokens[quarter:quarter + 50_000] + 1) % 257).astype(np.uint16).tobytes())
+
+    with pytest.raises(DataError, match=rf"{tokens_path} changed content \(same size, 4,000,000 bytes\)"):
+        check_unchanged(run_dir, [tokens_path], resuming=True)
+
+
+def test_the_scan_is_cached_per_file_and_redone_when_the_file_changes(tmp_path):
+    from lowcomm.config.data_checks import check_run_data, scan_cache_dir
+
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    tokens = _tokens(train, 500_000)
+    _tokens(val, 20_000, seed=1)
+    time.sleep(2.1)  # older than a timestamp tick: a scan of it may be cached
+    run = _memmap_run(tmp_path, train, val)
+    files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+
+    first = check_run_data(run, files, resuming=False)
+    second = check_run_data(run, files, resuming=True)
+    assert [s.cached for s in first] == [False, False] and [s.cached for s in second] == [True, True]
+    assert [dataclasses.replace(s, cached=False) for s in second] == first
+    assert len(list(scan_cache_dir(run).glob("*.json"))) == 2
+
+    with train.open("r+b") as handle:  # a rewrite in place, same size: scanned again, and refused
+        handle.seek(len(tokens) // 4 * 2)
+        handle.write(np.full(1000, 7, dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match=f"{train} changed content"):
+        check_run_data(run, files, resuming=True)
+    third = check_run_data(run, files, resuming=False)  # a fresh start records it
+    assert [s.cached for s in third] == [False, True] and third[0].sha256 != first[0].sha256
+
+
+def test_a_run_directory_with_the_older_sampled_fingerprint_resumes_and_is_upgraded(tmp_path, capsys):
+    from lowcomm.config.data_checks import check_run_data
+    from lowcomm.data.fingerprint import legacy_window_hash
+
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    _tokens(train, 200_000)
+    _tokens(val, 20_000, seed=1)
+    run = _memmap_run(tmp_path, train, val)
+    files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+    record = run.run_dir / FINGERPRINT_FILE
+    record.parent.mkdir(parents=True)
+    legacy = {str(p.resolve()): {"size": p.stat().st_size, "sha256_windows": legacy_window_hash(p)} for p in (train, val)}
+    record.write_text(json.dumps(legacy))
+
+    check_run_data(run, files, resuming=True)
+
+    assert "came from an older lowcomm that hashed three 64 KiB windows" in capsys.readouterr().err
+    upgraded = json.loads(record.read_text())
+    assert set(upgraded) == set(legacy) and all("sha256" in entry for entry in upgraded.values())
+    check_run_data(run, files, resuming=True)  # and now compared whole
+    assert capsys.readouterr().err == ""
+
+    legacy[str(val.resolve())]["sha256_windows"] = "0" * 64  # a changed window is still refused
+    record.write_text(json.dumps(legacy))
+    with pytest.raises(DataError, match=f"{val.resolve()} changed content"):
+        check_run_data(run, files, resuming=True)
+
+
+def test_a_long_scan_reports_its_progress_and_throughput(tmp_path):
+    from lowcomm.data.scan import CHUNK_TOKENS, ScanProgress, scan_file
+
+    path = tmp_path / "big.bin"
+    _tokens(path, 3 * CHUNK_TOKENS + 5)
+    stream = io.StringIO()
+    progress = ScanProgress(stream, interval_s=0, after_s=0)
+    progress.begin(path.stat().st_size, 1)
+
+    scan = scan_file(path, "uint16", progress=progress)
+
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4 and all(re.fullmatch(
+        rf"\[lowcomm\] scanning data, file 1 of 1 \({path.resolve()}\): [\d.]+ MB of 25\.2 MB \(\d+%\) at [\d.]+ [kMG]?B/s, "
+        r"~\d+ s left", line) for line in lines), lines
+    assert lines[-1].split(": ")[1].startswith("25.2 MB of 25.2 MB (100%)")
+    assert scan.tokens == 3 * CHUNK_TOKENS + 5 and scan.max_id == 256
