@@ -1,13 +1,17 @@
 """Whole-file data checks, before anything is spawned: every token id against the model's
 vocabulary (not its padded embedding), a uint32 file declared uint16, files shorter than one
-sequence, a fingerprint over every byte, and a scan cached per file."""
+sequence, a fingerprint over every byte, a scan cached per file, and the synthetic corpus on a
+full disk."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from lowcomm.config.schema import DataSpec, TrainSpec
 from lowcomm.data import materialize
 from lowcomm.data.fingerprint import FINGERPRINT_FILE, check_unchanged
 from lowcomm.data.memmap import DataError
+from lowcomm.data.synthetic import SyntheticSpec, ensure_synthetic
 from lowcomm.launch.local import prepare_run_dir
 from lowcomm.models.olmo import ModelSpec
 from runs import tiny_run
@@ -257,3 +262,43 @@ def test_a_long_scan_reports_its_progress_and_throughput(tmp_path):
         r"~\d+ s left", line) for line in lines), lines
     assert lines[-1].split(": ")[1].startswith("25.2 MB of 25.2 MB (100%)")
     assert scan.tokens == 3 * CHUNK_TOKENS + 5 and scan.max_id == 256
+
+
+# ----------------------------------------------------------------------------- the synthetic corpus
+
+
+@pytest.fixture
+def tiny_disk(tmp_path) -> Path:
+    """A 1 MiB tmpfs (root only)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_the_synthetic_corpus_on_a_full_disk_names_it_and_leaves_nothing(tiny_disk, monkeypatch):
+    """Today: SIGBUS (exit 135, nothing printed) and an orphan temp directory."""
+    spec = SyntheticSpec(train_tokens=1_000_000, val_tokens=4096, seq_len=64)
+    with pytest.raises(DataError, match=rf"no space left to write the synthetic corpus \(2\.0 MB\) to {tiny_disk}/data/"
+                                        rf"synthetic-\w+: the filesystem mounted at {tiny_disk} has 1\.0 MB free"):
+        ensure_synthetic(tiny_disk, spec)
+    assert list((tiny_disk / "data").iterdir()) == []
+
+    # the disk fills up while the corpus is written (another writer took the space)
+    import lowcomm.data.synthetic as synthetic
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))
+    stale = tiny_disk / "data" / f".{synthetic.synthetic_dir(tiny_disk, spec).name}.dead"
+    stale.mkdir()  # left by a writer killed earlier
+    os.utime(stale, (time.time() - 2 * synthetic.STALE_ATTEMPT_S,) * 2)
+    with pytest.raises(DataError, match=f"the filesystem mounted at {tiny_disk} filled up while it was written"):
+        ensure_synthetic(tiny_disk, spec)
+    assert list((tiny_disk / "data").iterdir()) == []

@@ -19,16 +19,19 @@ few hundred steps, and the floor says how far from perfect each one is.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from lowcomm.data.memmap import DataError
 from lowcomm.models.tokenizer import BYTES_EOS
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,'\n-"
@@ -150,21 +153,27 @@ def synthetic_dir(run_root: str | os.PathLike, spec: SyntheticSpec) -> Path:
 def ensure_synthetic(run_root: str | os.PathLike, spec: SyntheticSpec) -> Path:
     """Write the corpus once (atomically: a temp dir renamed into place) and return its dir.
 
-    Safe to call from many processes: the loser of a race discards its copy."""
+    Safe to call from many processes: the loser of a race discards its copy. A write that fails
+    (a full disk, a quota) removes its temp dir and raises DataError naming the filesystem."""
     target = synthetic_dir(run_root, spec)
     if (target / META).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_attempts(target)
+    needed = 2 * (spec.train_tokens + spec.val_tokens)  # uint16; meta.json is a few hundred bytes
+    free = shutil.disk_usage(target.parent).free
+    if free < needed + (1 << 20):
+        raise DataError(_no_space_message(target, needed, free))
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         model = MarkovMixture(spec)
         meta = {"spec": asdict(spec), "tokenizer": "bytes", "dtype": "uint16", "alphabet": ALPHABET}
         for split, n_tokens, stream in (("train", spec.train_tokens, 1), ("val", spec.val_tokens, 2)):
             tokens = model.sample(n_tokens // spec.seq_len, np.random.default_rng([spec.seed, stream]))
-            array = np.memmap(tmp / f"{split}.bin", dtype=np.uint16, mode="w+", shape=(tokens.size,))
-            array[:] = tokens.reshape(-1)
-            array.flush()
-            del array
+            # write(), not a writable memmap: a full disk is then an OSError here, where a memmap
+            # dies of SIGBUS with nothing said and its temp dir left behind
+            with (tmp / f"{split}.bin").open("wb") as handle:
+                handle.write(tokens.reshape(-1).astype(np.uint16).tobytes())
             meta[f"{split}_tokens"] = int(tokens.size)
             if split == "val":
                 meta["val_bayes_floor"] = float(model.bayes_nll(tokens).mean())
@@ -174,10 +183,42 @@ def ensure_synthetic(run_root: str | os.PathLike, spec: SyntheticSpec) -> Path:
         except OSError:
             if not (target / META).is_file():
                 raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(_no_space_message(target, needed, free, filled_up=True)) from exc
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# A temp dir this old is a write that died (killed, or a SIGBUS of an older lowcomm), not one in flight.
+STALE_ATTEMPT_S = 3600
+
+
+def _remove_stale_attempts(target: Path) -> None:
+    for attempt in target.parent.glob(f".{target.name}.*"):
+        try:
+            if time.time() - attempt.stat().st_mtime > STALE_ATTEMPT_S:
+                shutil.rmtree(attempt, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _no_space_message(target: Path, needed: int, free: int, filled_up: bool = False) -> str:
+    disk = _mount_point(target.parent)
+    where = (f"the filesystem mounted at {disk} filled up while it was written ({free / 1e6:,.1f} MB were free "
+             "when it started)" if filled_up else f"the filesystem mounted at {disk} has {free / 1e6:,.1f} MB free")
+    return (f"no space left to write the synthetic corpus ({needed / 1e6:,.1f} MB) to {target}: {where}; "
+            "free some space, or set run_root to a directory on another disk")
 
 
 def read_meta(directory: Path) -> dict:
