@@ -116,6 +116,31 @@ def test_uint16_tokens_declared_uint32_are_named(tmp_path):
     assert_suggested_keys_exist(str(info.value))
 
 
+def test_a_local_sweep_stops_with_one_line_on_data_the_model_cannot_take(tmp_path, capsys):
+    """Today: the first job's workers crash after spawning; now its launch is refused, named."""
+    from lowcomm.cli.sweep import main as sweep_main
+
+    train = tmp_path / "train.bin"
+    tokens = _tokens(train, LONG)
+    tokens[-3] = 50_000
+    tokens.tofile(train)
+    sweep = tmp_path / "mine.yaml"
+    sweep.write_text(json.dumps({
+        "base": ["data=memmap", f"data.paths=[{train}]", f"data.val_paths=[{train}]", "wandb.mode=disabled",
+                 "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64", "train.max_steps=2",
+                 "train.eval_every=0", "train.eval_instances=8", "cluster.workers=1"],
+        "points": [["optimizer=adamw_ddp"], ["optimizer=demo"]],
+        "seeds": [0],
+    }))
+
+    code = sweep_main(["run", str(sweep), "--out", str(tmp_path / "out"), f"run_root={tmp_path / 'runs'}"])
+
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert f"failed: data.paths: {train} holds token id 50,000" in err and len(err.strip().splitlines()) == 1
+    assert not list((tmp_path / "runs").glob("default/*/config.yaml"))
+
+
 # ----------------------------------------------------------------------------- the layout
 
 

@@ -172,6 +172,7 @@ def _plan(sweep_name: str, overrides: Sequence[str], check_data_files: bool = Tr
 def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lowcomm.config import ConfigError
     from lowcomm.config.sweep import job_errors
+    from lowcomm.data.memmap import DataError
     from lowcomm.launch.estimate import compute_estimate
     from lowcomm.launch.slurm import Queue, SlurmUnavailable, check_profile, submit_training
 
@@ -207,6 +208,10 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"{PROG}: {exc}", file=sys.stderr)
             print(f"{PROG}: stopped after {outcomes['submitted']} submissions; submit again to continue",
                   file=sys.stderr)
+            return 1
+        except DataError as exc:  # the data does not fit the model: refused before submitting
+            print(f"{PROG}: {job.run.run_name}: {exc}", file=sys.stderr)
+            print(f"{PROG}: stopped after {outcomes['submitted']} submissions", file=sys.stderr)
             return 1
         outcomes[submission.action] += 1
         if submission.action == "submitted":
@@ -328,6 +333,7 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
               started: float) -> dict[int, list] | None:
     """Validate every job of one phase, then train them here one after the other; returns
     each point's run configs (with the job), or None after a failure (named on stderr)."""
+    from lowcomm.data.memmap import DataError
     from lowcomm.launch.local import WorkerFailure, launch_local
     from lowcomm.rundir import RunDir
     from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
@@ -351,6 +357,9 @@ def _run_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, phase: 
             launch_local(plan.run)
         except RunDiverged:
             pass  # its line is printed; the tuner and the reports rank it worst and say so
+        except DataError as exc:  # refused before spawning
+            print(f"{PROG}: {label} failed: {exc}", file=sys.stderr)
+            return None
         except WorkerFailure as exc:
             if exc.returncode != EXIT_DIVERGED:
                 if exc.detail:  # the first failing rank's traceback, for a cause lowcomm does not know
