@@ -85,7 +85,7 @@ def test_an_id_out_of_the_vocabulary_near_the_end_of_a_file_is_refused_before_sp
     assert "model=tiny takes ids below 257" in err
     assert "model=olmo_1b or model=olmo_300m" in err  # the models whose tokenizer holds it
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert not list(run_root.glob("default/*/config.yaml"))  # nothing was launched
+    assert not list(run_root.glob("default/*"))  # nothing was launched, and no empty run directory is left
     assert_suggested_keys_exist(err)
 
 

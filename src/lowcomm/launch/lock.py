@@ -44,8 +44,12 @@ class RunDirLock:
         self.owner = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
                       "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
         self._descriptor: int | None = None
+        self._made_dir = False
 
     def acquire(self) -> None:
+        # a launch refused before it wrote anything (bad data, a changed config) leaves no empty
+        # run directory behind to be mistaken for a run
+        self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
             # O_CLOEXEC: the workers must not inherit the lock (it would outlive the launcher)
@@ -82,6 +86,9 @@ class RunDirLock:
             self.path.unlink()  # while still held: a waiting launch then locks a fresh file
         os.close(self._descriptor)
         self._descriptor = None
+        if self._made_dir:
+            with contextlib.suppress(OSError):  # not empty: something was written, keep it
+                self.path.parent.rmdir()
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
