@@ -80,6 +80,7 @@ def test_damage_is_named_and_the_previous_checkpoint_is_used(finished_run, capfd
     launch_local(run)
     text = "".join(capfd.readouterr())
     assert named in text and str(newest) in text
+    assert text.count("checkpoint step_000000004 unusable") == 1  # said once, not by every rank
     assert "resuming from step_000000002" in text
     assert RunDir(run.run_dir).summary.is_file()
 

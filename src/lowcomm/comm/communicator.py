@@ -366,6 +366,14 @@ class Communicator:
         self.all_reduce(value, op="max", purpose="control")
         return [bool(v) for v in value.tolist()]
 
+    def first(self, flag: bool) -> int | None:
+        """The lowest rank where ``flag`` is true, the same on every rank; None where it is
+        nowhere (a control all-reduce): one rank then speaks for all, with its own reason."""
+        value = torch.tensor([self.rank if flag else self.world_size], dtype=torch.int64, device=self.control_device)
+        self.all_reduce(value, op="min", purpose="control")
+        lowest = int(value.item())
+        return lowest if lowest < self.world_size else None
+
     def split(self, groups: Sequence[Sequence[int]], scope: str) -> Communicator:
         """Create one sub-group per entry of ``groups`` (global ranks; every rank must call
         this with the same list) and return the Communicator of the group holding this rank.

@@ -217,11 +217,13 @@ class CheckpointManager:
                 loaded = self._read(directory)
             except CheckpointError as exc:
                 problem = str(exc)
-            if self.comm.agree(problem is not None):
+            first = self.comm.first(problem is not None)
+            if first is not None:  # said once, by the lowest rank that could not read its files
                 self.unusable.add(directory.name)
-                found.append(f"{directory.name}: {problem or 'another rank could not read its files'}")
-                log.error("checkpoint %s unusable (%s); falling back to the previous one",
-                          directory.name, problem or "another rank could not read its files")
+                found.append(f"{directory.name}: " + (problem if first == self.comm.rank
+                                                       else f"rank {first} could not read its files"))
+                if first == self.comm.rank:
+                    log.error("checkpoint %s unusable (%s); falling back to the previous one", directory.name, problem)
                 continue
             self._apply(loaded, model, optimizer)
             trainer = loaded["trainer"]
