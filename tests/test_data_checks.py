@@ -327,3 +327,21 @@ def test_the_synthetic_corpus_on_a_full_disk_names_it_and_leaves_nothing(tiny_di
     with pytest.raises(DataError, match=f"the filesystem mounted at {tiny_disk} filled up while it was written"):
         ensure_synthetic(tiny_disk, spec)
     assert list((tiny_disk / "data").iterdir()) == []
+
+
+def test_lowcomm_prepare_data_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(tiny_disk, tmp_path, capsys):
+    """Today: a 30-line OSError traceback."""
+    from lowcomm.cli.prepare_data import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i}: {'lorem ipsum dolor sit amet ' * 40}\n" for i in range(2000)))
+    output = tiny_disk / "mycorpus"
+
+    assert main([str(corpus), "--output", str(output), "--tokenizer", "bytes"]) == 2
+
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # after the progress bar
+    assert last.startswith(f"lowcomm-prepare-data: error: could not write {output}: No space left on device")
+    assert last.endswith(f"nothing was written (the filesystem is mounted at {tiny_disk})")
+    assert list(tiny_disk.iterdir()) == []

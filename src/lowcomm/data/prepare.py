@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lowcomm.data.memmap import DataError, expand_paths
+from lowcomm.data.synthetic import mount_point
 from lowcomm.models.tokenizer import load_tokenizer
 
 
@@ -46,10 +47,11 @@ def prepare(inputs: list[str], output: Path, tokenizer_name: str,
     paths = expand_paths(inputs, "inputs")
     tokenizer = load_tokenizer(tokenizer_name)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+    tmp: Path | None = None
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
         files = {split: (tmp / f"{split}.bin").open("wb") for split in counts}
         threshold = int(val_fraction * 2**32)
         for index, text in enumerate(tqdm(iter_documents(paths), desc="tokenizing", unit="doc",
@@ -74,7 +76,11 @@ def prepare(inputs: list[str], output: Path, tokenizer_name: str,
         if output.exists():
             shutil.rmtree(output)
         os.rename(tmp, output)
+    except OSError as exc:  # a full disk, a quota, a read-only or foreign directory
+        raise DataError(f"could not write {output}: {exc.strerror or exc}"
+                        + (f" ({exc.filename})" if exc.filename else "")
+                        + f"; nothing was written (the filesystem is mounted at {mount_point(output.parent)})") from exc
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return meta

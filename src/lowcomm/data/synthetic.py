@@ -206,7 +206,8 @@ def _remove_stale_attempts(target: Path) -> None:
             pass
 
 
-def _mount_point(path: Path) -> Path:
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (which need not exist yet)."""
     path = path.resolve()
     while not os.path.ismount(path):
         path = path.parent
@@ -214,7 +215,7 @@ def _mount_point(path: Path) -> Path:
 
 
 def _no_space_message(target: Path, needed: int, free: int, filled_up: bool = False) -> str:
-    disk = _mount_point(target.parent)
+    disk = mount_point(target.parent)
     where = (f"the filesystem mounted at {disk} filled up while it was written ({free / 1e6:,.1f} MB were free "
              "when it started)" if filled_up else f"the filesystem mounted at {disk} has {free / 1e6:,.1f} MB free")
     return (f"no space left to write the synthetic corpus ({needed / 1e6:,.1f} MB) to {target}: {where}; "
