@@ -222,3 +222,41 @@ def test_sigterm_in_a_slurm_job_checkpoints_at_the_next_step(local_slurm, tmp_pa
                 "out of time or preempted); the run resumes from it when SLURM requeues the job or the run is "
                 "submitted again") in log, log[-3000:]
     assert not RunDir(run_dir).summary.exists()
+
+
+@pytest.mark.parametrize("command, prog", [("sweep", "lowcomm-sweep"), ("quickstart", "quickstart")])
+def test_sigterm_between_runs_stops_a_multi_run_command_with_its_line(command, prog, monkeypatch, capsys):
+    """Between two runs (or while planning) no launcher holds SIGTERM: before, its default action
+    ended the sweep at once with nothing said. The signal here is real, sent to this process."""
+    import lowcomm.cli.quickstart as quickstart
+    import lowcomm.cli.sweep as sweep
+
+    def planning(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not interrupt")
+
+    if command == "sweep":
+        monkeypatch.setattr(sweep, "_list", planning)
+        code = sweep.main(["list"])
+    else:
+        monkeypatch.setattr(quickstart, "load_sweep", planning)
+        code = quickstart.main([])
+
+    assert code == 143
+    assert capsys.readouterr().err.splitlines() == [
+        f"{prog}: interrupted (SIGTERM); finished runs are kept, run the same command to go on"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+def test_a_command_that_ignores_sigterm_keeps_ignoring_it():
+    from lowcomm.launch.signals import sigterm_as_interrupt
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nohup, a script's background job
+    try:
+        with sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # ignored: nothing is raised
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

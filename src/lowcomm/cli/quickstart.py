@@ -16,6 +16,7 @@ each with its standard error and n.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.local import Interrupted, WorkerFailure, launch_local
+from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.runs import load_run
 from lowcomm.report.tables import SUMMARY_COLUMNS, markdown_table, summary_columns, summary_rows, write_csv
@@ -42,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
                              "and 20 documents give a standard error of about 0.11)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every run")
     args = parser.parse_args(argv)
+    try:
+        with sigterm_as_interrupt():
+            return _quickstart(args)
+    except (KeyboardInterrupt, Terminated) as exc:  # between runs: a run interrupted raises Interrupted
+        print(f"quickstart: interrupted{' (SIGTERM)' if isinstance(exc, Terminated) else ''}; finished runs are "
+              "kept, run the same command to go on", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+
+
+def _quickstart(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep)
 
     # Validate every run before the first one starts.

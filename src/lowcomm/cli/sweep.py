@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import signal
 import sys
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 from lowcomm.hardware import FS_BANDWIDTH as DEFAULT_FS_BANDWIDTH
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS as DEFAULT_PEAK_FLOPS
 from lowcomm.hardware import TYPICAL_MFU as DEFAULT_MFU
+from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.paths import repo_root
 
 if TYPE_CHECKING:
@@ -567,10 +569,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest:
         args.overrides = [*args.overrides, *rest]
     try:
-        return args.handler(parser, args)
-    except KeyboardInterrupt:  # planning or between runs: a run interrupted raises Interrupted
-        print(f"{PROG}: interrupted; finished runs are kept, run the same command to go on", file=sys.stderr)
-        return 130
+        with sigterm_as_interrupt():
+            return args.handler(parser, args)
+    except (KeyboardInterrupt, Terminated) as exc:  # planning or between runs: a run interrupted raises Interrupted
+        print(f"{PROG}: interrupted{' (SIGTERM)' if isinstance(exc, Terminated) else ''}; finished runs are kept, "
+              "run the same command to go on", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except Exception as exc:
         from lowcomm.launch.local import Interrupted
 

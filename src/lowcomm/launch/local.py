@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
 from lowcomm.launch.lock import RunDirLock
+from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
@@ -62,13 +62,6 @@ class Interrupted(RuntimeError):
         return 128 + self.signum
 
 
-class _Terminated(BaseException):
-    """SIGTERM reached the launcher (``kill``, ``timeout``, ``docker stop``, systemd, SLURM's end
-    of a job): handled as Ctrl-C is."""
-
-
-def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
-    raise _Terminated
 
 
 class _StoppedBySignal(Exception):
@@ -191,18 +184,12 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
         return run.run_dir
     # SIGTERM is Ctrl-C (unless this process ignores it); both, before the workers start, stop
     # the launch with the line that says where a rerun resumes (the lock is released either way)
-    handles_term = (threading.current_thread() is threading.main_thread()
-                    and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if handles_term else None
     try:
-        with RunDirLock(run.run_dir):
+        with sigterm_as_interrupt(), RunDirLock(run.run_dir):
             return _launch(run, extra_env)
-    except (KeyboardInterrupt, _Terminated) as exc:
-        signum = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
         raise Interrupted(run.run_dir, signum, why_not="before the workers started: nothing was trained") from None
-    finally:
-        if handles_term:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def prepare_run_dir(run: RunConfig) -> Path:
@@ -235,10 +222,10 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
             before = _newest_checkpoint(run.run_dir)
             try:
                 _wait_all(procs, Path(words_dir), run.run_dir)
-            except (KeyboardInterrupt, _Terminated, _StoppedBySignal) as exc:
+            except (KeyboardInterrupt, Terminated, _StoppedBySignal) as exc:
                 # Ctrl-C, SIGTERM, or workers that a signal stopped by themselves (the launcher
                 # did not see it): every worker checkpoints at the same step boundary
-                signum = (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+                signum = (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
                           if isinstance(exc, KeyboardInterrupt) else exc.signum)
                 interrupted = _finish_interrupted(procs, run, signum, Path(words_dir), before)
                 if interrupted is not None:
@@ -321,7 +308,7 @@ def _finish_interrupted(procs: list[subprocess.Popen], run: RunConfig, signum: i
                 why_not = f"the workers did not reach a step boundary within {grace_s:.0f} s and were stopped"
             else:
                 time.sleep(0.05)
-    except (KeyboardInterrupt, _Terminated) as again:
+    except (KeyboardInterrupt, Terminated) as again:
         why_not = (f"stopped at once by a second {'Ctrl-C' if isinstance(again, KeyboardInterrupt) else 'SIGTERM'}, "
                    "before the step boundary")
     _stop_all(procs)
