@@ -116,29 +116,33 @@ def test_uint16_tokens_declared_uint32_are_named(tmp_path):
     assert_suggested_keys_exist(str(info.value))
 
 
-def test_a_local_sweep_stops_with_one_line_on_data_the_model_cannot_take(tmp_path, capsys):
-    """Today: the first job's workers crash after spawning; now its launch is refused, named."""
+def test_a_sweep_checks_every_jobs_data_before_the_first_one_trains(tmp_path, capsys):
+    """Before: job 1 trained, then job 2's launch was refused (and, earlier still, its workers
+    crashed after spawning). Now the sweep names job 2's data and trains nothing."""
     from lowcomm.cli.sweep import main as sweep_main
 
-    train = tmp_path / "train.bin"
-    tokens = _tokens(train, LONG)
+    good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
+    _tokens(good, 20_000)
+    tokens = _tokens(bad, LONG)
     tokens[-3] = 50_000
-    tokens.tofile(train)
+    tokens.tofile(bad)
     sweep = tmp_path / "mine.yaml"
     sweep.write_text(json.dumps({
-        "base": ["data=memmap", f"data.paths=[{train}]", f"data.val_paths=[{train}]", "wandb.mode=disabled",
+        "base": ["data=memmap", f"data.val_paths=[{good}]", "wandb.mode=disabled", "optimizer=adamw_ddp",
                  "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64", "train.max_steps=2",
                  "train.eval_every=0", "train.eval_instances=8", "cluster.workers=1"],
-        "points": [["optimizer=adamw_ddp"], ["optimizer=demo"]],
+        "points": [[f"data.paths=[{good}]"], [f"data.paths=[{bad}]"]],
         "seeds": [0],
     }))
 
-    code = sweep_main(["run", str(sweep), "--out", str(tmp_path / "out"), f"run_root={tmp_path / 'runs'}"])
+    with pytest.raises(SystemExit) as exited:  # argparse's exit: usage errors are 2
+        sweep_main(["run", str(sweep), "--out", str(tmp_path / "out"), f"run_root={tmp_path / 'runs'}"])
 
     err = capsys.readouterr().err
-    assert code == 1 and "Traceback" not in err
-    assert f"failed: data.paths: {train} holds token id 50,000" in err and len(err.strip().splitlines()) == 1
-    assert not list((tmp_path / "runs").glob("default/*/config.yaml"))
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert f"job 2 (data.paths=[{bad}] seed=0): data.paths: {bad} holds token id 50,000" in err
+    assert "job 1" not in err
+    assert not list((tmp_path / "runs").glob("default/*"))  # nothing trained, not even job 1
 
 
 # ----------------------------------------------------------------------------- the layout

@@ -26,6 +26,7 @@ from typing import TextIO
 from omegaconf import OmegaConf
 
 from lowcomm.config.schema import RunConfig
+from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.data.memmap import DataError, short_file_message
 from lowcomm.data.scan import FileScan, ScanProgress, cached_scan, scan_file
@@ -55,11 +56,7 @@ def check_run_data(run: RunConfig, files: dict, *, resuming: bool, stream: TextI
     """Scan ``files`` (``lowcomm.data.materialize``'s answer) and check them against ``run``'s
     model; record or compare their fingerprint. Raises DataError naming every problem."""
     stream = stream if stream is not None else sys.stderr
-    keys = _keys(run)
-    labelled = [(Path(path), keys[split]) for split in ("train", "val") for path in files[split]]
-    paths = [path for path, _ in labelled]
-    scans = _scan_all(run, paths, files["dtype"], stream)
-    problems = _problems(run, files["dtype"], list(zip(scans, (key for _, key in labelled), strict=True)))
+    paths, scans, problems = _check(run, files, stream)
     # On a resume, data that changed since the checkpoints is the story, whatever else is wrong
     # with it; a fresh start records its fingerprint only for data that passed.
     notes = check_unchanged(run.run_dir, paths, resuming=True, scans=scans) if resuming else []
@@ -72,6 +69,23 @@ def check_run_data(run: RunConfig, files: dict, *, resuming: bool, stream: TextI
     for note in notes:
         print(f"[lowcomm] note: {note}", file=stream, flush=True)
     return scans
+
+
+def data_problems(run: RunConfig, stream: TextIO | None = None) -> list[str]:
+    """What :func:`check_run_data` would refuse in ``run``'s data, found before anything runs:
+    the data is materialised (a synthetic or text corpus is generated once) and scanned (cached),
+    nothing is written in the run directory. A sweep calls this for every job before the first
+    one trains, so that job 7's data is not found wrong after jobs 1-6 have trained."""
+    files = materialize(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
+    return _check(run, files, stream if stream is not None else sys.stderr)[2]
+
+
+def _check(run: RunConfig, files: dict, stream: TextIO) -> tuple[list[Path], list[FileScan], list[str]]:
+    keys = _keys(run)
+    labelled = [(Path(path), keys[split]) for split in ("train", "val") for path in files[split]]
+    paths = [path for path, _ in labelled]
+    scans = _scan_all(run, paths, files["dtype"], stream)
+    return paths, scans, _problems(run, files["dtype"], list(zip(scans, (key for _, key in labelled), strict=True)))
 
 
 def _keys(run: RunConfig) -> dict[str, str]:

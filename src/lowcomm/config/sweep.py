@@ -50,8 +50,10 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from lowcomm.config.compose import compose
+from lowcomm.config.data_checks import data_problems
 from lowcomm.config.schema import ConfigError, RunConfig
 from lowcomm.config.validation import validate
+from lowcomm.data.memmap import DataError
 from lowcomm.paths import repo_root
 from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
@@ -361,9 +363,27 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
         if run.run_dir not in seen:
             seen.add(run.run_dir)
             planned.append(PlannedRun(number=number, varying=varying, overrides=overrides, run=run))
+    if check_data_files and not errors:
+        errors += _data_errors(planned)
     if errors:
         raise ConfigError(job_errors(errors, len(sweep.jobs)))
     return planned
+
+
+def _data_errors(planned: Sequence[PlannedRun]) -> list[tuple[int, list[str], str]]:
+    """Each job's data against its model, whole (:func:`data_problems`), once per distinct data,
+    sequence length and model: a sweep's jobs mostly share one corpus, scanned once."""
+    errors, checked = [], {}
+    for plan in planned:
+        run = plan.run
+        key = (repr(run.raw.get("data")), run.train.seq_len, repr(run.raw.get("model")), str(run.run_root))
+        if key not in checked:
+            try:
+                checked[key] = data_problems(run)
+            except DataError as exc:  # a corpus that cannot be generated or read
+                checked[key] = [str(exc)]
+        errors += [(plan.number, plan.varying, problem) for problem in checked[key]]
+    return errors
 
 
 def job_errors(errors: Sequence[tuple[int, list[str], str]], job_count: int) -> list[str]:
