@@ -305,7 +305,7 @@ def _list(_parser: argparse.ArgumentParser, _args: argparse.Namespace) -> int:
     from lowcomm.config.sweep import load_sweep
 
     for path in sorted((repo_root() / "sweeps").glob("*.yaml")):
-        sweep = load_sweep(str(path))
+        sweep = load_sweep(str(path), labelled=False)
         summary = sweep.description if len(sweep.description) <= 80 else sweep.description[:77] + "..."
         print(f"{sweep.name:<26} {len(sweep.jobs):>3} jobs  {summary}")
     return 0
@@ -463,7 +463,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     at a time where the best sits at an edge (:func:`_tune_phase`), then each at its best value
     (lowest final validation loss, never a diverged run) once per seed; then the seed table is
     written."""
-    from lowcomm.config.sweep import final_jobs, load_sweep
+    from lowcomm.config.sweep import choose_baseline, final_jobs, load_sweep
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
     from lowcomm.report.seeds import Group, seed_rows, seed_table
@@ -476,10 +476,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = args.out or repo_root() / "results" / sweep.name
     chosen, tuned = None, None
+    # The final runs (with tune: differing from these only in the tuned value, a positive factor
+    # of a valid one): a bad seed, budget or baseline is named now, not after the runs before it.
+    try:
+        baseline = choose_baseline(sweep, _plan_jobs(parser, sweep, final_jobs(sweep), args.overrides), args.baseline)
+    except ValueError as exc:
+        parser.exit(2, f"{PROG}: {exc}\n")
     if sweep.tune is not None:
-        # The final runs differ from these only in the tuned value (a positive factor of a valid
-        # one): a bad seed or budget is named now, not after the tuning phase's minutes.
-        _plan_jobs(parser, sweep, final_jobs(sweep), args.overrides)
         tuned = _tune_phase(parser, sweep, args.overrides, started)
         if tuned is None:
             return 1
@@ -489,7 +492,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     groups = [Group(entries[0][1].label,
                     [load_run(run.run_dir) for _job, run in entries]) for _point, entries in sorted(final.items())]
-    rows = seed_rows(groups, args.baseline)
+    rows = seed_rows(groups, baseline)
     text = seed_table(rows)
     if tuned is not None:
         text += "\n\n" + _tuning_text(sweep, tuned)
@@ -545,13 +548,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "runs at every factor of its tuned key on the shorter budget (where the best value is the "
                     "smallest or largest tried, up to tune.widen more values a factor of 2 beyond it, default 2), "
                     "then at the best value once per seed; the table (excess loss over the Bayes floor as mean ± "
-                    "std over seeds, bytes, a verdict against AdamW-DDP by a stated rule), the tuning grid and a "
+                    "std over seeds, bytes, a verdict against the baseline by a stated rule, from 2 seeds), the tuning grid "
+                    "and a "
                     "figure with seed bands go to --out. "
                     "Finished runs are not trained again. Example: lowcomm-sweep run table1_tiny")
     run.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     run.add_argument("overrides", nargs="*", help="Hydra overrides added to every job, e.g. run_root=/scratch/runs")
     run.add_argument("--out", type=Path, help="where the table and figure go (default: results/<sweep>)")
-    run.add_argument("--baseline", default="AdamW-DDP", help="the label every run is compared with")
+    run.add_argument("--baseline", metavar="LABEL",
+                     help="the label of the job every job is compared with (default: the sweep file's baseline, "
+                          "else its AdamW-DDP job)")
     run.set_defaults(handler=_run)
 
     listing = commands.add_parser("list", help="the sweeps in sweeps/")

@@ -51,13 +51,15 @@ from omegaconf import OmegaConf
 
 from lowcomm.config.compose import compose
 from lowcomm.config.data_checks import data_problems
+from lowcomm.config.labels import distinct_labels, template_label
 from lowcomm.config.schema import ConfigError, RunConfig
+from lowcomm.config.suggest import did_you_mean
 from lowcomm.config.validation import validate
 from lowcomm.data.memmap import DataError
 from lowcomm.paths import repo_root
 from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
-SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds")
+SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds", "label", "baseline")
 TUNE_KEYS = ("key", "factors", "overrides", "widen")
 POINT_KEYS = ("overrides", "grid")
 WIDEN_FACTOR = 2.0  # each widening tries the edge value / 2 or x 2
@@ -84,6 +86,7 @@ class Sweep:
     path: Path | None = None  # the sweep file
     tune: Tune | None = None
     seeds: list[int] | None = None  # the final runs' seeds (None: the jobs as they are)
+    baseline: str | None = None  # the label the seed table compares with (None: inferred)
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,9 @@ def method_points(methods: Any, where: str) -> list[list[str]]:
             for name, strategy in STRATEGIES.items() for point in getattr(strategy, methods)]
 
 
-def load_sweep(name_or_path: str) -> Sweep:
+def load_sweep(name_or_path: str, *, labelled: bool = True) -> Sweep:
+    """The sweep file's jobs, each with its label (:func:`_labelled`; ``labelled=False`` skips
+    composing every job for it, for a listing)."""
     path = sweep_path(name_or_path)
     spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(spec, dict):
@@ -325,8 +330,87 @@ def load_sweep(name_or_path: str) -> Sweep:
         for point_job in _point_jobs(point, f"{path}: points[{index}]")
         for combination in shared
     ]
-    return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(), jobs=jobs, base=base, path=path,
-                 tune=_tune(spec.get("tune"), f"{path}: tune"), seeds=_seeds(spec.get("seeds"), f"{path}: seeds"))
+    template = spec.get("label")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: label is a template such as \"{{name}} lr={{optimizer.lr}}\", got {template!r}")
+    baseline = spec.get("baseline")
+    if baseline is not None and not isinstance(baseline, str):
+        raise ValueError(f"{path}: baseline is the label of the job to compare with, got {baseline!r}")
+    return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(),
+                 jobs=_labelled(jobs, template, f"{path}") if labelled else jobs, base=base, path=path,
+                 tune=_tune(spec.get("tune"), f"{path}: tune"), seeds=_seeds(spec.get("seeds"), f"{path}: seeds"),
+                 baseline=baseline)
+
+
+# Keys a sweep's label never shows: its runs over seeds are one row of a table.
+LABEL_IGNORES = ("seed",)
+
+
+def _job_label(job: Sequence[str]) -> str | None:
+    """The label a job's own overrides give it (``label='...'``), if any."""
+    for override in reversed(job):
+        if override.startswith("label="):
+            return override.split("=", 1)[1].strip("'\"")
+    return None
+
+
+def _composed(job: Sequence[str]) -> dict | None:
+    """The job's config as a plain mapping; None where it does not compose (plan_sweep names why)."""
+    try:
+        config = compose(job)
+    except ConfigError:
+        return None
+    try:
+        return OmegaConf.to_container(config, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve here (an unset variable)
+        return OmegaConf.to_container(config, resolve=False)
+
+
+def _labelled(jobs: list[list[str]], template: str | None, where: str) -> list[list[str]]:
+    """Each job with its label as an override (``label='DeMo s=32 k=16'``): its own ``label=``,
+    else the sweep's ``label`` template filled from its config, else the method's name extended
+    by what sets it apart from the sweep's other jobs of that method (seeds aside: a job over
+    seeds is one row). Raises ValueError where two jobs that train different things would
+    share a label: their rows and curves could not be told apart."""
+    labels: list[str | None] = [_job_label(job) for job in jobs]
+    configs = [None if label is not None else _composed(job) for job, label in zip(jobs, labels, strict=True)]
+    if template is not None:
+        for i, config in enumerate(configs):
+            if config is not None:
+                try:
+                    labels[i] = template_label(template, config)
+                except KeyError as exc:
+                    raise ValueError(f"{where}: label {template!r}: job {i + 1} has no key {exc.args[0]!r} "
+                                     "(use {name} or a dotted config key such as {optimizer.lr})") from None
+    auto = [i for i, config in enumerate(configs) if labels[i] is None and config is not None]
+    for i, label in zip(auto, distinct_labels([configs[i] for i in auto], ignore=LABEL_IGNORES, max_details=None),
+                        strict=True):
+        labels[i] = label
+    _check_unique(jobs, labels, where)
+    return [job if label is None or _job_label(job) == label else [*job, f"label={_quoted(label)}"]
+            for job, label in zip(jobs, labels, strict=True)]
+
+
+def _quoted(label: str) -> str:
+    """A label as a Hydra override value: quoted, its own quotes escaped."""
+    return "'" + label.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _check_unique(jobs: list[list[str]], labels: list[str | None], where: str) -> None:
+    by_label: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        if label is not None:
+            by_label.setdefault(label, []).append(i)
+    clashes = []
+    for label, members in by_label.items():
+        if len(members) < 2:
+            continue
+        trains = {tuple(o for o in jobs[i] if not o.startswith(("label=", "seed="))) for i in members}
+        if len(trains) > 1:  # the same label on jobs that differ in more than the seed
+            clashes.append(f"jobs {', '.join(str(i + 1) for i in members)} are all labelled {label!r}")
+    if clashes:
+        raise ValueError(f"{where}: {'; '.join(clashes)}: give each its own label (label='...' in its point, or a "
+                         "label template such as \"{name} lr={optimizer.lr}\" in the sweep file)")
 
 
 @dataclass
@@ -384,6 +468,25 @@ def _data_errors(planned: Sequence[PlannedRun]) -> list[tuple[int, list[str], st
                 checked[key] = [str(exc)]
         errors += [(plan.number, plan.varying, problem) for problem in checked[key]]
     return errors
+
+
+def choose_baseline(sweep: Sweep, planned: Sequence[PlannedRun], named: str | None = None) -> str:
+    """The label a sweep's seed table compares with: ``named`` (the command line's), else the
+    sweep file's ``baseline``, else the label of its AdamW-DDP job when it has exactly one. Raises
+    ValueError, listing the labels, where the named one is not a label or none can be inferred."""
+    labels = list(dict.fromkeys(plan.run.label for plan in planned))
+    named = named or sweep.baseline
+    if named is not None:
+        if named not in labels:
+            raise ValueError(f"baseline {named!r} is not the label of a job of {sweep.name}"
+                             f"{did_you_mean(named, labels)}; its labels: {', '.join(map(repr, labels))}")
+        return named
+    adamw = list(dict.fromkeys(plan.run.label for plan in planned if plan.run.optimizer_name == "adamw_ddp"))
+    if len(adamw) == 1:
+        return adamw[0]
+    why = "no AdamW-DDP job" if not adamw else f"{len(adamw)} AdamW-DDP jobs ({', '.join(map(repr, adamw))})"
+    raise ValueError(f"{sweep.name} has {why} to compare with: name the baseline (baseline: <label> in the sweep "
+                     f"file, or --baseline LABEL); its labels: {', '.join(map(repr, labels))}")
 
 
 def job_errors(errors: Sequence[tuple[int, list[str], str]], job_count: int) -> list[str]:

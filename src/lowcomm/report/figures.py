@@ -230,7 +230,7 @@ def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *,
                            [max(values[i]) for i in keep])
         color = colors[id(first)]
         ax.plot(x, mean, marker=FAMILY_MARKERS.get(first.optimizer, "."), ms=4, lw=1.4, color=color,
-                label=f"{label} ({len(runs)} seeds)")
+                label=f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''})")
         ax.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
     ax.set_xscale("log")
     ax.set_xlabel("cumulative MB sent per worker (payload)")

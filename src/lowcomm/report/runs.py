@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from lowcomm.config import labels as run_labels
 from lowcomm.config import load_run_config
+from lowcomm.config.labels import OPTIMIZER_NAMES, dct_setting, run_label
 from lowcomm.rundir import RunDir
-from lowcomm.strategies import STRATEGIES
 
-# How the papers name each optimizer config (each strategy's ``display``).
-OPTIMIZER_NAMES = {name: strategy.display.name for name, strategy in STRATEGIES.items()}
+__all__ = ["OPTIMIZER_NAMES", "RunRecord", "distinct_labels", "find_runs", "load_run"]
 
 
 @dataclass
@@ -46,30 +46,20 @@ class RunRecord:
 
     @property
     def label(self) -> str:
-        """The config's ``label``, else the optimizer's name plus its DCT chunk and k when it has them."""
-        if self.config.get("label"):
-            return self.config["label"]
-        name = OPTIMIZER_NAMES.get(self.optimizer, self.optimizer)
-        return f"{name} s={self.chunk} k={self.topk}" if self.topk is not None else name
+        """The config's ``label`` (a sweep writes one for each job), else the optimizer's name
+        plus its DCT chunk and k when it has them (:mod:`lowcomm.config.labels`)."""
+        return run_label(self.config)
 
     @property
     def chunk(self) -> int | None:
         """DCT block side: the ``dct_topk`` compression group's, else the optimizer's own
         ``compression_chunk`` (DeMo's fields); None for a run that sends no DCT top-k."""
-        return self._dct_setting("chunk")
+        return dct_setting(self.config, "chunk")
 
     @property
     def topk(self) -> int | None:
         """Coefficients kept per DCT block, found like :attr:`chunk`."""
-        return self._dct_setting("topk")
-
-    def _dct_setting(self, field_name: str) -> int | None:
-        # DeMo reads the compression group when it is dct_topk and its own fields otherwise
-        # (configs/optimizer/demo.yaml); the other optimizers only have the group.
-        compression = self.config.get("compression") or {}
-        if compression.get("name") == "dct_topk":
-            return compression.get(field_name)
-        return self.config["optimizer"].get(f"compression_{field_name}")
+        return dct_setting(self.config, "topk")
 
     @property
     def complete(self) -> bool:
@@ -200,39 +190,7 @@ def find_runs(patterns: list[str]) -> list[RunRecord]:
 
 def distinct_labels(runs: list[RunRecord]) -> list[str]:
     """Each run's :attr:`~RunRecord.label`, extended where two runs would share one by the
-    config values that tell them apart (``DeMo lr=0.001``), for legends and table rows."""
-    labels = [run.label for run in runs]
-    for label in set(labels):
-        group = [i for i, other in enumerate(labels) if other == label]
-        if len(group) < 2:
-            continue
-        flat = [_flatten(runs[i].config) for i in group]
-        keys = sorted({key for config in flat for key in config} - _NOT_DISTINGUISHING)
-        differing = [key for key in keys if len({repr(config.get(key)) for config in flat}) > 1]
-        for i, config in zip(group, flat, strict=True):
-            if 0 < len(differing) <= _MAX_LABEL_DETAILS:
-                detail = " ".join(f"{key.rsplit('.', 1)[-1]}={config.get(key)}" for key in differing)
-            else:  # the same config, or too many differences to read: name the directory
-                detail = f"({runs[i].path.parent.name}/{runs[i].name})"
-            labels[i] = f"{label} {detail}"
-    return labels
-
-
-# More differing values than this make a label unreadable; the run directory is named instead.
-_MAX_LABEL_DETAILS = 3
-
-
-# Config keys that differ between runs without changing what was trained.
-_NOT_DISTINGUISHING = {"run_root", "run_name", "label", "experiment_name", "train.log_every",
-                       "train.checkpoint_every", "train.keep_checkpoints"}
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(node, dict):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        if prefix == "" and key == "wandb":
-            continue
-        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
+    config values that tell them apart (``DeMo lr=0.001``), else by their run directory, for
+    legends and table rows."""
+    return run_labels.distinct_labels([run.config for run in runs], [run.label for run in runs],
+                                      fallbacks=[f"({run.path.parent.name}/{run.name})" for run in runs])

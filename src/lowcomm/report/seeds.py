@@ -1,16 +1,19 @@
-"""A laptop Table 1 that can say yes or no: runs repeated over seeds, compared with AdamW-DDP by
-a rule stated before the numbers.
+"""A laptop Table 1 that can say yes or no: runs repeated over seeds, compared with a baseline
+(AdamW-DDP in the paper's sweeps; a sweep file may name another) by a rule stated before the
+numbers.
 
 Per run group (one sweep point at its tuned learning rate, several seeds): the excess
 validation loss over the corpus's Bayes floor as mean ± sample standard deviation over seeds,
 the payload MB per worker and step, the tx per rank at W = 64 under the ring algorithm (the
-comm table's formula: an all-gather's (W-1) x payload), the bytes' ratio to AdamW-DDP's, and a
-verdict:
+comm table's formula: an all-gather's (W-1) x payload), the bytes' ratio to the baseline's, and
+a verdict:
 
-    comparable  if |gap| <= 2 x pooled seed std  and  |gap| <= 5 % of AdamW-DDP's mean excess
+    comparable  if |gap| <= 2 x pooled seed std  and  |gap| <= 5 % of the baseline's mean excess
     better / worse otherwise, by the gap's sign
 
-where gap = mean excess - AdamW-DDP's mean excess and pooled std = sqrt((s^2 + s_AdamW^2) / 2).
+where gap = mean excess - the baseline's mean excess and pooled std = sqrt((s^2 + s_base^2) / 2).
+A verdict needs at least two seeds on both sides (one seed has no spread to compare a gap with):
+with fewer the row says so and gives none.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from lowcomm.report.comm_table import config_traffic_function
 from lowcomm.report.runs import RunRecord
 
 RULE = ("Verdict rule (fixed before the runs): comparable if |gap| <= 2 x pooled seed std and |gap| <= 5% of "
-        "AdamW-DDP's mean excess loss; otherwise better or worse by the gap's sign. gap = mean excess - "
-        "AdamW-DDP's mean excess; excess = final validation loss - Bayes floor; pooled std = "
-        "sqrt((s^2 + s_AdamW^2) / 2), s the sample standard deviation over seeds.")
+        "the baseline's mean excess loss; otherwise better or worse by the gap's sign. gap = mean excess - "
+        "the baseline's mean excess; excess = final validation loss - Bayes floor; pooled std = "
+        "sqrt((s^2 + s_base^2) / 2), s the sample standard deviation over seeds; no verdict with fewer than "
+        "2 seeds.")
 REFERENCE_WORLD = 64  # the paper's 8 nodes x 8 GPUs
+MIN_SEEDS = 2  # a sample standard deviation needs two
 
 
 @dataclass
@@ -70,7 +75,11 @@ class Group:
 
 
 def verdict(group: Group, baseline: Group) -> str:
-    """The stated rule (module doc)."""
+    """The stated rule (module doc); "1 seed: no verdict" where either side has fewer than
+    :data:`MIN_SEEDS` seeds."""
+    seeds = min(len(group.runs), len(baseline.runs))
+    if seeds < MIN_SEEDS:
+        return f"{seeds} seed{'s' if seeds != 1 else ''}: no verdict"
     gap = group.mean - baseline.mean
     pooled = math.sqrt((group.std ** 2 + baseline.std ** 2) / 2)
     if abs(gap) <= 2 * pooled and abs(gap) <= 0.05 * baseline.mean:
@@ -92,10 +101,11 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
             "parameters": (group.runs[0].summary or {}).get("parameters"),
             "tokens": (group.runs[0].summary or {}).get("tokens"),
             "tokens_per_parameter": group.tokens_per_parameter,
-            "excess_mean": group.mean, "excess_std": group.std, "gap_to_adamw": group.mean - baseline.mean,
+            "excess_mean": group.mean, "excess_std": group.std, "baseline": baseline.label,
+            "gap_to_baseline": group.mean - baseline.mean,
             "payload_MB_per_step": group.payload_mb, f"tx_MB_per_rank_at_W{REFERENCE_WORLD}": tx,
-            "payload_ratio_to_adamw": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
-            f"tx_ratio_to_adamw_at_W{REFERENCE_WORLD}": base_tx / tx if tx else math.inf,
+            "payload_ratio_to_baseline": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
+            f"tx_ratio_to_baseline_at_W{REFERENCE_WORLD}": base_tx / tx if tx else math.inf,
             "verdict": "baseline" if group is baseline else verdict(group, baseline),
         })
     return rows
@@ -103,17 +113,19 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
 
 def seed_table(rows: list[dict]) -> str:
     """Markdown: the rule first, then the budget (tokens per parameter), then the table."""
+    base = rows[0]["baseline"] if rows else "the baseline"
     lines = [RULE, "", budget_line(rows), "",
-             f"| run | lr | seeds | excess loss (mean ± std) | gap to AdamW | payload MB/step | "
-             f"tx MB/rank at W={REFERENCE_WORLD} | fewer bytes than AdamW (payload / tx at W={REFERENCE_WORLD}) "
+             f"| run | lr | seeds | excess loss (mean ± std) | gap to {base} | payload MB/step | "
+             f"tx MB/rank at W={REFERENCE_WORLD} | fewer bytes than {base} (payload / tx at W={REFERENCE_WORLD}) "
              "| verdict |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
+        spread = f" ± {row['excess_std']:.4f}" if math.isfinite(row["excess_std"]) else " (1 seed)"
         lines.append(
-            f"| {row['label']} | {row['lr']:.3g} | {row['seeds']} | {row['excess_mean']:.4f} ± {row['excess_std']:.4f} "
-            f"| {row['gap_to_adamw']:+.4f} | {row['payload_MB_per_step']:.4g} "
+            f"| {row['label']} | {row['lr']:.3g} | {row['seeds']} | {row['excess_mean']:.4f}{spread} "
+            f"| {row['gap_to_baseline']:+.4f} | {row['payload_MB_per_step']:.4g} "
             f"| {row[f'tx_MB_per_rank_at_W{REFERENCE_WORLD}']:.4g} "
-            f"| {row['payload_ratio_to_adamw']:.3g}x / {row[f'tx_ratio_to_adamw_at_W{REFERENCE_WORLD}']:.3g}x "
+            f"| {row['payload_ratio_to_baseline']:.3g}x / {row[f'tx_ratio_to_baseline_at_W{REFERENCE_WORLD}']:.3g}x "
             f"| {row['verdict']} |")
     return "\n".join(lines)
 

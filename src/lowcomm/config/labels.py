@@ -1,0 +1,145 @@
+"""A run's label in tables, legends and progress lines: the method's name as the papers write it
+and the settings that tell it apart from the runs beside it (``DeMo s=32 k=16``, ``DiLoCo H=50``).
+
+One rule for every reader: a sweep labels its jobs with it before anything runs
+(:func:`lowcomm.config.sweep.load_sweep`, which writes the label into each run's config), and
+the reports label run directories with it (:mod:`lowcomm.report.runs`), so a table built from
+``runs/`` names a run as the sweep that trained it did.
+
+- :func:`method_label`: the strategy's display name, plus the DCT block side and top-k of a run
+  that sends DCT top-k coefficients (the DeMo paper's ``s`` and ``k``);
+- :func:`distinct_labels`: runs that would share a label are told apart by the config values in
+  which they differ, named by their last key (``lr=0.001``; the full key where two would read
+  alike);
+- :func:`template_label`: a sweep file's ``label:`` template, ``{name}`` and any dotted config
+  key in braces (``"{name} lr={optimizer.lr}"``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from lowcomm.strategies import STRATEGIES
+
+# How the papers name each optimizer config (each strategy's ``display``).
+OPTIMIZER_NAMES = {name: strategy.display.name for name, strategy in STRATEGIES.items()}
+
+# Config keys that differ between runs without changing what was trained, or that a label never
+# shows (the label itself, where the run is kept, how often it logs).
+NOT_DISTINGUISHING = frozenset({
+    "run_root", "run_name", "label", "experiment_name", "train.log_every", "train.checkpoint_every",
+    "train.keep_checkpoints"})
+# The papers' letters: DeMo's DCT block side s and coefficients kept per block k, DiLoCo's H inner
+# steps between synchronisations.
+SHORT_NAMES = {"compression_chunk": "s", "chunk": "s", "compression_topk": "k", "topk": "k", "sync_every": "H"}
+# More differing values than this make a label unreadable (reports then name the run directory).
+MAX_DETAILS = 3
+
+
+def dct_setting(config: Mapping[str, Any], field: str) -> Any:
+    """``chunk`` or ``topk`` of a run that sends DCT top-k: the ``dct_topk`` compression group's,
+    else the optimizer's own ``compression_<field>`` (DeMo's fields); None for any other run."""
+    compression = config.get("compression") or {}
+    if compression.get("name") == "dct_topk":
+        return compression.get(field)
+    return (config.get("optimizer") or {}).get(f"compression_{field}")
+
+
+def method_label(config: Mapping[str, Any]) -> str:
+    """The optimizer's display name, with ``s=`` and ``k=`` for a run that sends DCT top-k."""
+    optimizer = (config.get("optimizer") or {}).get("name", "?")
+    name = OPTIMIZER_NAMES.get(optimizer, optimizer)
+    topk = dct_setting(config, "topk")
+    return f"{name} s={dct_setting(config, 'chunk')} k={topk}" if topk is not None else name
+
+
+def run_label(config: Mapping[str, Any]) -> str:
+    """The config's ``label`` if it has one, else :func:`method_label`."""
+    return config.get("label") or method_label(config)
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optimizer.lr": 0.001, ...}`` from a nested config (wandb's settings left out)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if not prefix and key == "wandb":
+            continue
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, dotted))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(map(format_value, value)) + "]"
+    return str(value)
+
+
+def _short_names(keys: Sequence[str]) -> dict[str, str]:
+    """Each dotted key by its last part (``s``/``k`` for the DCT settings), the whole key where
+    two keys would read alike."""
+    short = {key: SHORT_NAMES.get(key.rsplit(".", 1)[-1], key.rsplit(".", 1)[-1]) for key in keys}
+    clashing = {name for name in short.values() if list(short.values()).count(name) > 1}
+    return {key: key if name in clashing else name for key, name in short.items()}
+
+
+def differing_keys(configs: Sequence[Mapping[str, Any]], ignore: Collection[str] = ()) -> list[str]:
+    """The dotted keys whose values are not the same in all of ``configs``, in sorted order."""
+    flat = [flatten(config) for config in configs]
+    keys = sorted({key for config in flat for key in config} - NOT_DISTINGUISHING - set(ignore))
+    return [key for key in keys if len({repr(config.get(key)) for config in flat}) > 1]
+
+
+def distinct_labels(configs: Sequence[Mapping[str, Any]], labels: Sequence[str] | None = None, *,
+                    ignore: Collection[str] = (), max_details: int | None = MAX_DETAILS,
+                    fallbacks: Sequence[str] | None = None) -> list[str]:
+    """``labels`` (default: each config's :func:`run_label`), each one shared by several configs
+    extended by the values they differ in (``DeMo s=16 k=8 lr=0.001``). Where they differ in
+    none (or, with ``max_details``, in too many to read) the config's entry of ``fallbacks`` is
+    added instead, if given. Keys in ``ignore`` are not shown (a sweep's seeds: its runs over
+    seeds share one label)."""
+    labels = [run_label(config) for config in configs] if labels is None else list(labels)
+    result = list(labels)
+    for label in dict.fromkeys(labels):
+        group = [i for i, other in enumerate(labels) if other == label]
+        if len(group) < 2:
+            continue
+        differing = differing_keys([configs[i] for i in group], ignore)
+        short = _short_names(differing)
+        for i in group:
+            if differing and (max_details is None or len(differing) <= max_details):
+                flat = flatten(configs[i])
+                detail = " ".join(f"{short[key]}={format_value(flat.get(key))}" for key in differing)
+            elif fallbacks is not None:
+                detail = fallbacks[i]
+            else:
+                continue
+            result[i] = f"{label} {detail}"
+    return result
+
+
+_FIELD = re.compile(r"\{([A-Za-z_][\w.]*)\}")
+
+
+def template_label(template: str, config: Mapping[str, Any]) -> str:
+    """``template`` with ``{name}`` (the method's display name) and each ``{dotted.key}`` replaced
+    by the config's value. Raises KeyError naming a key the config does not have."""
+    flat = flatten(config)
+    optimizer = (config.get("optimizer") or {}).get("name", "?")
+
+    def value(match: re.Match) -> str:
+        key = match.group(1)
+        if key == "name":
+            return OPTIMIZER_NAMES.get(optimizer, optimizer)
+        if key not in flat:
+            raise KeyError(key)
+        return format_value(flat[key])
+
+    return _FIELD.sub(value, template)

@@ -1,0 +1,122 @@
+"""A sweep labels its own jobs (issue 26): from what varies, or from the sweep file's ``label``
+template; two jobs that train different things never share a label; the seed table's baseline is
+named or inferred, and checked before anything trains."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from lowcomm.config.sweep import choose_baseline, load_sweep, plan_sweep
+from lowcomm.report.runs import distinct_labels
+
+
+def _sweep(tmp_path, text: str):
+    path = tmp_path / "mine.yaml"
+    path.write_text(textwrap.dedent(text))
+    return load_sweep(str(path))
+
+
+def _labels(sweep) -> list[str]:
+    return [plan.run.label for plan in plan_sweep(sweep, check_data_files=False)]
+
+
+FIVE_JOBS = """\
+    base: [experiment=quickstart, train.max_steps=20]
+    points:
+      - [optimizer=adamw_ddp]
+      - overrides: [optimizer=demo]
+        grid:
+          optimizer.compression_chunk: [16, 32]
+          optimizer.compression_topk: [8, 16]
+    """
+
+
+def test_jobs_are_labelled_by_what_varies(tmp_path):
+    """Before: five jobs labelled 'demo', 'demo', 'demo', 'demo', 'adamw_ddp'."""
+    sweep = _sweep(tmp_path, FIVE_JOBS)
+    assert _labels(sweep) == ["AdamW-DDP", "DeMo s=16 k=8", "DeMo s=16 k=16", "DeMo s=32 k=8", "DeMo s=32 k=16"]
+    assert choose_baseline(sweep, plan_sweep(sweep, check_data_files=False)) == "AdamW-DDP"
+
+
+def test_a_setting_beyond_the_method_name_is_shown_and_seeds_are_not(tmp_path):
+    sweep = _sweep(tmp_path, """\
+        base: [experiment=quickstart]
+        points:
+          - [optimizer=diloco, optimizer.sync_every=10]
+          - [optimizer=diloco, optimizer.sync_every=50, optimizer.outer_lr=0.5]
+          - [optimizer=adamw_ddp]
+        grid:
+          seed: [0, 1]
+        """)
+    labels = _labels(sweep)
+    assert labels == ["DiLoCo outer_lr=0.7 H=10", "DiLoCo outer_lr=0.7 H=10",
+                      "DiLoCo outer_lr=0.5 H=50", "DiLoCo outer_lr=0.5 H=50", "AdamW-DDP", "AdamW-DDP"]
+
+
+def test_a_label_template_and_a_points_own_label(tmp_path):
+    sweep = _sweep(tmp_path, """\
+        base: [experiment=quickstart]
+        label: "{name} lr={optimizer.lr}"
+        points:
+          - [optimizer=adamw_ddp, "label='the reference'"]
+          - [optimizer=demo, optimizer.lr=0.001]
+          - [optimizer=demo, optimizer.lr=0.002]
+        baseline: the reference
+        """)
+    assert _labels(sweep) == ["the reference", "DeMo lr=0.001", "DeMo lr=0.002"]
+    assert choose_baseline(sweep, plan_sweep(sweep, check_data_files=False)) == "the reference"
+
+
+def test_a_template_naming_a_missing_key_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"label '\{name\} b=\{optimizer.bogus\}': job 1 has no key 'optimizer.bogus'"):
+        _sweep(tmp_path, """\
+            points: [[optimizer=demo]]
+            label: "{name} b={optimizer.bogus}"
+            """)
+
+
+def test_two_different_jobs_with_one_label_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match=r"jobs 1, 2 are all labelled 'DeMo': give each its own label"):
+        _sweep(tmp_path, """\
+            points:
+              - [optimizer=demo, "label='DeMo'"]
+              - [optimizer=demo, optimizer.lr=0.01, "label='DeMo'"]
+            """)
+
+
+def test_the_baseline_must_be_a_label_and_is_inferred_only_when_unambiguous(tmp_path):
+    sweep = _sweep(tmp_path, FIVE_JOBS)
+    planned = plan_sweep(sweep, check_data_files=False)
+    with pytest.raises(ValueError, match=r"baseline 'AdamW' is not the label of a job of mine \(did you mean "
+                                         r"AdamW-DDP\?\); its labels: 'AdamW-DDP', 'DeMo s=16 k=8'"):
+        choose_baseline(sweep, planned, "AdamW")
+    assert choose_baseline(sweep, planned, "DeMo s=32 k=8") == "DeMo s=32 k=8"
+    demo_only = _sweep(tmp_path, "points: [[optimizer=demo], [optimizer=demo, optimizer.lr=0.01]]\n")
+    with pytest.raises(ValueError, match=r"mine has no AdamW-DDP job to compare with: name the baseline "
+                                         r"\(baseline: <label> in the sweep file, or --baseline LABEL\)"):
+        choose_baseline(demo_only, plan_sweep(demo_only, check_data_files=False))
+
+
+def test_every_shipped_sweep_labels_its_jobs_uniquely():
+    from lowcomm.paths import repo_root
+
+    for path in sorted((repo_root() / "sweeps").glob("*.yaml")):
+        sweep = load_sweep(str(path))  # raises on a clash
+        labels = [next(o for o in reversed(job) if o.startswith("label=")) for job in sweep.jobs]
+        trains = [tuple(o for o in job if not o.startswith(("label=", "seed="))) for job in sweep.jobs]
+        assert len(set(zip(labels, trains, strict=True))) == len(set(trains)) == len(set(labels)), path.name
+
+
+def test_reports_label_runs_as_the_sweep_did(tmp_path):
+    """The label a sweep gives a job is written into its config, which the reports read."""
+    sweep = _sweep(tmp_path, FIVE_JOBS)
+    configs = [plan.run.raw for plan in plan_sweep(sweep, check_data_files=False)]
+
+    class Run:  # the two things distinct_labels reads of a RunRecord
+        def __init__(self, config):
+            self.config, self.label = config, config["label"]
+            self.path, self.name = tmp_path / "x", "x"
+
+    assert distinct_labels([Run(c) for c in configs]) == _labels(sweep)
