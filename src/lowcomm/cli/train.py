@@ -91,6 +91,12 @@ def run_config(cfg):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    multirun = {"-m", "--multirun"} & set(argv)
+    if multirun:  # Hydra's habit: answered with the sweep that does it, not "unrecognized arguments"
+        from lowcomm.config.compose import sweep_hint
+
+        build_parser().exit(2, f"lowcomm-train: {sweep_hint([a for a in argv if a not in multirun])}\n")
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after --cfg
     # Late imports: --help above answers without loading torch.
     from omegaconf import OmegaConf

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lowcomm.config.schema import SECTIONS, TOP_LEVEL_KEYS, ConfigError
 from lowcomm.config.suggest import did_you_mean, unknown_key_message
-from lowcomm.config.validation import section_keys
+from lowcomm.config.validation import section_keys, sections_with_key
 from lowcomm.paths import config_dir, group_options
 
 
@@ -37,6 +37,47 @@ def compose(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(problems or [" ".join(str(exc).split())]) from exc
 
 
+def _unknown_top_level(key: str) -> str:
+    """An unknown top-level key; where a section has a key of that name (``compression_topk``
+    given without ``optimizer.``), that key, else the closest top-level key."""
+    note = " (a leading + would only add the typo to the config.)"
+    homes = sections_with_key(key) if "." not in key else []
+    if not homes:
+        return unknown_key_message(key, TOP_LEVEL_KEYS, "the config", note=note)
+    where = " or ".join(f"{dotted} (a key of {owners})" for dotted, owners in homes)
+    return f"{key} is not a key of the config; did you mean {where}?{note}"
+
+
+def sweep_hint(overrides: Sequence[str]) -> str:
+    """One line for Hydra's multirun habits (``optimizer=demo,adamw_ddp``, ``-m``): lowcomm-train
+    runs one config; the same grid as a sweep file for ``lowcomm-sweep``, written out."""
+    parser = OverridesParser.create()
+    grid, base = {}, []
+    for line in overrides:
+        try:
+            override = parser.parse_overrides([line])[0]
+        except HydraException:
+            base.append(line)
+            continue
+        if override.is_sweep_override():
+            grid[override.key_or_group] = [str(value) for value in override.sweep_iterator()]
+        else:
+            base.append(line)
+    if not grid:
+        return ("there is no -m / --multirun: lowcomm-train runs one config; for several, write a sweep file "
+                "(base: [...], points: or grid: {key: [values]}) and run lowcomm-sweep run FILE "
+                "(lowcomm-sweep submit FILE --dry-run for SLURM)")
+    runs = 1
+    for values in grid.values():
+        runs *= len(values)
+    # the sweep file itself, as one line of YAML (a flow mapping)
+    grid_text = "{" + ", ".join(f"{key}: [{', '.join(values)}]" for key, values in grid.items()) + "}"
+    sweep = "{" + (f"base: [{', '.join(base)}], " if base else "") + f"grid: {grid_text}" + "}"
+    return (f"{' '.join(k + '=' + ','.join(v) for k, v in grid.items())} is a sweep of {runs} runs and lowcomm-train "
+            f"runs one: write a sweep file holding {sweep} and run lowcomm-sweep run FILE "
+            "(lowcomm-sweep submit FILE --dry-run for SLURM)")
+
+
 def diagnose(overrides: Sequence[str]) -> list[str]:
     """What is wrong with ``overrides``, each problem naming its key: an unknown top-level key,
     an unknown option of a group, an unknown key inside a section."""
@@ -51,9 +92,12 @@ def diagnose(overrides: Sequence[str]) -> list[str]:
     for override in parsed:
         key = override.key_or_group
         head, _, rest = key.partition(".")
-        if head not in TOP_LEVEL_KEYS:
-            errors.append(unknown_key_message(key, TOP_LEVEL_KEYS, "the config",
-                                              note=" (a leading + would only add the typo to the config.)"))
+        if override.is_sweep_override():
+            hint = sweep_hint([o.input_line for o in parsed])
+            if hint not in errors:
+                errors.append(hint)
+        elif head not in TOP_LEVEL_KEYS:
+            errors.append(_unknown_top_level(key))
         elif not rest and head in groups and not override.is_delete():
             value = override.value()
             if value is not None and value not in groups[head]:

@@ -33,6 +33,27 @@ from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
 
 
+def sections_with_key(leaf: str) -> list[tuple[str, str]]:
+    """Where a key named ``leaf`` lives: ``(dotted key, the option that has it)`` for every
+    section and option that has it (``("optimizer.compression_topk", "optimizer=demo")``), for
+    a key given without its section."""
+    found = [(f"{section}.{leaf}", section) for section in ("model", "train", "data", "cluster", "wandb")
+             if leaf in section_keys(section, {})[0]]
+    owners = [name for name, strategy in STRATEGIES.items()
+              if leaf in {"name", *(f.name for f in dataclasses.fields(strategy.Config))}]
+    if owners:
+        found.append((f"optimizer.{leaf}", _options("optimizer", owners, len(STRATEGIES))))
+    codecs = [name for name, codec in CODECS.items() if leaf in {"name", *inspect.signature(codec).parameters}]
+    if codecs:
+        found.append((f"compression.{leaf}", _options("compression", codecs, len(CODECS))))
+    return found
+
+
+def _options(group: str, names: list[str], of: int) -> str:
+    """``optimizer=demo or flexdemo``; ``every optimizer`` when all have it."""
+    return f"every {group}" if len(names) == of else f"{group}={' or '.join(names)}"
+
+
 def section_keys(section: str, node: Mapping[str, Any]) -> tuple[list[str], str] | None:
     """The keys a config section may hold (given its chosen option) and how to call it in a
     message; None when the section's option is itself unknown (reported elsewhere)."""
