@@ -120,3 +120,21 @@ def test_reports_label_runs_as_the_sweep_did(tmp_path):
             self.path, self.name = tmp_path / "x", "x"
 
     assert distinct_labels([Run(c) for c in configs]) == _labels(sweep)
+
+
+def test_lowcomm_sweep_help_documents_every_sweep_file_key():
+    """Before: tune and seeds were documented only by the error for a wrong value."""
+    from lowcomm.cli.sweep import build_parser
+    from lowcomm.config.sweep import POINT_KEYS, SWEEP_KEYS, TUNE_KEYS
+
+    epilog = build_parser().format_help().split("a sweep file (YAML")[1]
+    for key in (*SWEEP_KEYS, *POINT_KEYS, *TUNE_KEYS):
+        assert f"{key}:" in epilog, key
+
+
+def test_a_misspelt_sweep_name_gets_a_did_you_mean(capsys):
+    from lowcomm.cli.sweep import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "table1-1b"])
+    assert "no sweep 'table1-1b' (did you mean table1_1b?)" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,8 +31,10 @@ from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.estimate import compute_estimate
+from lowcomm.launch.lock import RunDirLock
 from lowcomm.launch.slurm import PreemptionFlag, Queue, QueuedJob, run_state
 from lowcomm.strategies import STRATEGIES
+from lowcomm.train.metrics import read_metrics
 from runs import (
     SMALL_SYNTHETIC,
     TINY,
@@ -73,21 +76,23 @@ def token_files(tmp_path_factory) -> list[str]:
 
 def test_points_with_their_own_grids_expand_in_file_order(tmp_path):
     path = _write_sweep(tmp_path / "s.yaml", {
-        "base": ["model=tiny"],
+        "base": ["model=tiny", "data=memmap"],
         "points": [
             {"overrides": ["optimizer=demo"], "grid": {"optimizer.compression_topk": [4, 2]}},
             ["optimizer=adamw_ddp"],
         ],
-        "grid": {"seed": [0, 1], "optimizer.betas": [[0.9, 0.95]]},
+        "grid": {"seed": [0, 1], "data.paths": [["a.bin", "b.bin"]]},  # a list value, not a job of its own
     })
 
     sweep = load_sweep(str(path))
 
-    shared = [["seed=0", "optimizer.betas=[0.9,0.95]"], ["seed=1", "optimizer.betas=[0.9,0.95]"]]
+    shared = [["seed=0", "data.paths=[a.bin,b.bin]"], ["seed=1", "data.paths=[a.bin,b.bin]"]]
     points = [["optimizer=demo", "optimizer.compression_topk=4"], ["optimizer=demo", "optimizer.compression_topk=2"],
               ["optimizer=adamw_ddp"]]
-    assert sweep.jobs == [["model=tiny", *point, *grid] for point in points for grid in shared]
-    assert sweep.base == ["model=tiny"]
+    labels = ["DeMo s=64 k=4", "DeMo s=64 k=2", "AdamW-DDP"]  # the jobs over seeds share one
+    assert sweep.jobs == [["model=tiny", "data=memmap", *point, *grid, f"label='{label}'"]
+                          for point, label in zip(points, labels, strict=True) for grid in shared]
+    assert sweep.base == ["model=tiny", "data=memmap"]
 
 
 @pytest.mark.parametrize(
@@ -240,6 +245,12 @@ def test_run_states_follow_the_run_directory_and_the_queue(tmp_path):
                    QueuedJob("9", "other", "RUNNING"), QueuedJob("10", "run-b", "CANCELLED")))
 
     assert run_state(run_dir, "run-z", queue).status == "not submitted"
+    (run_dir / "metrics.jsonl").write_text('{"step": 2, "train/loss": 3.9}\n')
+    assert run_state(run_dir, "run-z", queue).status == "stopped"  # trained a while, by no job recorded here
+    with RunDirLock(run_dir):  # a launcher trains it now, here or on a machine sharing the filesystem
+        running = run_state(run_dir, "run-z", None)
+        assert running.status == "running" and running.detail.startswith(f"pid {os.getpid()} on {socket.gethostname()}")
+    assert run_state(run_dir, "run-z", queue).status == "stopped"  # released
     # queued from elsewhere (no record here): found by its name
     assert (run_state(run_dir, "run-a", queue).status, run_state(run_dir, "run-a", queue).job_id) == ("pending", "8")
     _record(run_dir, "10")
@@ -248,6 +259,7 @@ def test_run_states_follow_the_run_directory_and_the_queue(tmp_path):
     failed = run_state(run_dir, "run-b", queue)
     assert (failed.status, failed.job_id, failed.detail, failed.last_step, failed.last_loss) == (
         "failed", "10", "CANCELLED", 4, 3.5)
+    assert (failed.val_step, failed.val_loss) == (4, 3.6)  # what the tables show
     assert run_state(run_dir, "run-b", None).detail == "queue unknown"
     _record(run_dir, "9")  # resubmitted, now running
     assert run_state(run_dir, "run-b", queue).status == "running"
@@ -336,8 +348,9 @@ def test_status_lists_each_finished_run_with_its_last_step_and_loss(slurm_sweep)
     assert "2 runs (2 done)" in out
     for run_dir in slurm_sweep["run_dirs"]:
         line = next(line for line in out.splitlines() if str(run_dir) in line)
-        step, loss = train_losses(run_dir)[-1]
-        assert line.split()[:4] == ["done", slurm_job_id(run_dir), f"{step}/{STEPS}", f"{loss:.4f}"]
+        step, _ = train_losses(run_dir)[-1]
+        val_loss = [r["val/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/loss" in r][-1]
+        assert line.split()[:4] == ["done", slurm_job_id(run_dir), f"{step}/{STEPS}", f"{val_loss:.4f}"]
 
 
 @pytest.mark.slurm

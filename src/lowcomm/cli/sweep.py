@@ -281,23 +281,32 @@ def _status(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if plan is None:
         return 2
     sweep, planned = plan
-    queue, queue_problem = _read_queue()
+    # a local sweep (lowcomm-sweep run) has no queue to read: its runs hold their directory's lock
+    on_slurm = any(job.run.cluster.launcher != "local" for job in planned)
+    queue, queue_problem = _read_queue() if on_slurm else (None, "")
     states = [run_state(job.run.run_dir, job.run.run_name, queue) for job in planned]
-    counts = Counter(state.status for state in states)
-    order = ("done", "running", "pending", "failed", "not submitted")
+    shown = ["not started" if state.status == "not submitted" and not on_slurm else state.status for state in states]
+    counts = Counter(shown)
+    order = ("done", "running", "pending", "failed", "stopped", "not submitted", "not started")
     print(f"sweep {sweep.name}: {len(planned)} runs (" +
           ", ".join(f"{counts[status]} {status}" for status in order if counts[status]) + ")")
-    if queue is None:
+    if on_slurm and queue is None:
         print(f"  queue not read ({queue_problem}): running and pending jobs cannot be told apart from failed ones")
-    rows = [("status", "job", "step", "loss", "run", "overrides")]
-    for job, state in zip(planned, states, strict=True):
-        status = f"{state.status} ({state.detail})" if state.status == "failed" and state.detail else state.status
+    rows = [("status", "job", "step", "val loss", "label", "run")]
+    for job, state, status in zip(planned, states, shown, strict=True):
+        # why it failed; who trains it when no job of this directory's record does (a local run)
+        if state.detail and (state.status == "failed" or (state.status == "running" and not state.job_id)):
+            status += f" ({state.detail})"
         step = f"{state.last_step}/{job.run.train.max_steps}" if state.last_step is not None else "-"
-        loss = f"{state.last_loss:.4f}" if state.last_loss is not None else "-"
-        rows.append((status, state.job_id or "-", step, loss, str(job.run.run_dir), " ".join(job.varying)))
+        loss = "-" if state.val_loss is None else (
+            f"{state.val_loss:.4f}" + (f" @{state.val_step}" if state.val_step != state.last_step else ""))
+        rows.append((status, state.job_id or "-", step, loss, job.run.label, str(job.run.run_dir)))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     for row in rows:
         print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
+    if "stopped" in counts:
+        command = "lowcomm-sweep run" if not on_slurm else "lowcomm-sweep submit"
+        print(f"  stopped runs resume from their last checkpoint: {command} {args.sweep}")
     return 0
 
 
@@ -516,10 +525,23 @@ def _positive(text: str) -> float:
     return value
 
 
+def sweep_file_format() -> str:
+    """The sweep file's keys, as :mod:`lowcomm.config.sweep` documents them (its docstring's
+    example, read from the source: --help stays quick, without importing torch)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((Path(__file__).parent.parent / "config" / "sweep.py").read_text())) or ""
+    lines = doc.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("    ")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    return "\n".join(["a sweep file (YAML; every key optional, sweeps/*.yaml are examples):", *lines[start:end]])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Submit a sweep file (sweeps/NAME.yaml) to SLURM, "
-                                     "one job per point; check it first with --dry-run, follow it with status.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description="Run a sweep file (sweeps/NAME.yaml or any path) here "
+                                     "(run), or submit it to SLURM, one job per point (submit; check it first with "
+                                     "--dry-run), and follow it (status).",
+                                     epilog=sweep_file_format(), formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     overrides_help = "Hydra overrides added to every job (KEY=VALUE), e.g. data.paths='[...]' cluster.partition=gpu"
 

@@ -18,6 +18,11 @@
       widen: 2                                      # optional (default 2, 0: off): factors of 2 tried
                                                     # beyond an edge the best sits at
     seeds: [0, 1, 2]                                # optional: the final runs, one per seed
+    label: "{name} lr={optimizer.lr}"               # optional: each job's label in tables and figures
+                                                    # ({name}: the method's; default: the method's name
+                                                    # and what sets the job apart, e.g. DeMo s=32 k=16)
+    baseline: AdamW-DDP                             # optional: the label the seed table compares with
+                                                    # (default: the sweep's one AdamW-DDP job)
 
 With ``tune``, each job is first run at every factor of its value on the shorter budget. Where
 its best value (lowest final validation loss; a diverged run, nan or inf, is never chosen) is
@@ -26,6 +31,9 @@ the smallest or the largest tried, the grid widens on that side one factor of 2 
 values per side; a best still at the edge then is reported. The job then runs at its best
 value once per seed (``seeds``, default [0]) on the full budget (:func:`tuning_jobs`,
 :func:`tuning_step`, :func:`final_jobs`; ``lowcomm-sweep run``).
+
+A point may set its own ``label='...'`` override. Two jobs that train different things under one
+label are refused when the file is loaded.
 
 Jobs = for each point, its overrides x its own grid x the sweep's grid, each a list of Hydra
 overrides (base first), in file order with the last grid key varying fastest. A grid value that
@@ -248,7 +256,8 @@ def sweep_path(name_or_path: str) -> Path:
     if candidate.is_file():
         return candidate
     available = sorted(p.stem for p in (repo_root() / "sweeps").glob("*.yaml"))
-    raise FileNotFoundError(f"no sweep {name_or_path!r}; available: {', '.join(available)}")
+    hint = did_you_mean(name_or_path, available) or did_you_mean(name_or_path.replace("-", "_"), available)
+    raise FileNotFoundError(f"no sweep {name_or_path!r}{hint}; available: {', '.join(available)}")
 
 
 def _value(value: Any) -> str:
@@ -434,7 +443,7 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
     errors: list[tuple[int, list[str], str]] = []
     seen: set[Path] = set()
     for number, job in enumerate(sweep.jobs, start=1):
-        varying = job[len(sweep.base):]
+        varying = [o for o in job[len(sweep.base):] if not o.startswith("label=")]  # what it trains differently
         overrides = [*job, *extra_overrides]
         try:
             run = validate(compose(overrides), check_data_files=check_data_files)

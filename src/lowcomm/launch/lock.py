@@ -98,6 +98,25 @@ class RunDirLock:
         self.release()
 
 
+def holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir`` now (``pid 123 on host ...``), or None when nobody does: the
+    kernel's answer, asked without taking the lock for longer than the asking."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _describe(_read(descriptor))
+    else:
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(descriptor)
+
+
 def _read(descriptor: int) -> str:
     return os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
 

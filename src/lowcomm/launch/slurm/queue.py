@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from lowcomm.launch.lock import holder as lock_holder
 from lowcomm.rundir import SLURM_DIR, SUBMISSIONS_FILE, RunDir
 
 # squeue states of a job that is, or will be, running (everything else is final).
@@ -76,13 +77,16 @@ class Queue:
 
 @dataclasses.dataclass(frozen=True)
 class RunState:
-    """Where a run stands. ``status``: done | running | pending | failed | not submitted."""
+    """Where a run stands. ``status``: done | running | pending | failed | stopped (trained for a
+    while, not by a job this run directory records, and no longer) | not submitted."""
 
     status: str
     job_id: str | None = None
-    detail: str = ""  # e.g. the final queue state of a failed job
+    detail: str = ""  # e.g. the final queue state of a failed job, or who runs it here
     last_step: int | None = None
-    last_loss: float | None = None
+    last_loss: float | None = None  # training loss at last_step
+    val_step: int | None = None
+    val_loss: float | None = None  # the last validation loss logged (what the tables show)
 
     @property
     def active(self) -> bool:
@@ -98,32 +102,39 @@ def last_submission(run_dir: Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def last_logged(run_dir: Path) -> tuple[int | None, float | None]:
-    """Step and training loss of the last ``train/loss`` record in ``metrics.jsonl``."""
+def last_logged(run_dir: Path, key: str = "train/loss") -> tuple[int | None, float | None]:
+    """Step and value of the last ``key`` record in ``metrics.jsonl`` (default: the training loss)."""
     for record in reversed(RunDir(run_dir).read_metrics()):
-        if "train/loss" in record:
-            return int(record["step"]), float(record["train/loss"])
+        if key in record:
+            return int(record["step"]), float(record[key])
     return None, None
 
 
 def run_state(run_dir: Path, run_name: str, queue: Queue | None) -> RunState:
-    """The state of the run in ``run_dir``; ``queue`` None when the queue cannot be read."""
+    """The state of the run in ``run_dir``; ``queue`` None when the queue cannot be read (or a
+    local sweep's runs need none: a run training here holds its directory's lock)."""
     run_dir = Path(run_dir)
     step, loss = last_logged(run_dir)
+    logged = {"last_step": step, "last_loss": loss}
+    logged["val_step"], logged["val_loss"] = last_logged(run_dir, "val/loss")
     record = last_submission(run_dir)
     recorded_id = record["job_id"] if record else None
     if RunDir(run_dir).summary.is_file():
-        return RunState("done", recorded_id, last_step=step, last_loss=loss)
+        return RunState("done", recorded_id, **logged)
     job = queue.find(job_id=recorded_id, name=run_name) if queue is not None else None
     if job is not None and job.active:
         status = "pending" if job.state in PENDING_STATES else "running"
-        return RunState(status, job.job_id, job.state, step, loss)
+        return RunState(status, job.job_id, job.state, **logged)
+    if (owner := lock_holder(run_dir)) is not None:  # a launcher on this machine, or one sharing the filesystem
+        return RunState("running", recorded_id, owner, **logged)
     if record is None:
-        return RunState("not submitted", last_step=step, last_loss=loss)
+        return RunState("stopped" if step is not None else "not submitted", **logged)
     if queue is None:
         detail = "queue unknown"
     elif job is not None:
         detail = job.state
     else:
         detail = "no longer in the queue"
-    return RunState("failed", recorded_id, detail, step, loss)
+    return RunState("failed", recorded_id, detail, **logged)
+
+
