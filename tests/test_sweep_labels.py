@@ -138,3 +138,30 @@ def test_a_misspelt_sweep_name_gets_a_did_you_mean(capsys):
     with pytest.raises(SystemExit):
         main(["run", "table1-1b"])
     assert "no sweep 'table1-1b' (did you mean table1_1b?)" in capsys.readouterr().err
+
+
+def test_status_of_a_local_sweep_shows_labels_and_validation_loss_without_a_slurm_hint(tmp_path, capsys):
+    """Before: 'queue not read (...)' for a sweep that never used SLURM, every started run
+    'not submitted', and the training loss where the tables show the validation loss."""
+    import json
+
+    from lowcomm.cli.sweep import main
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(textwrap.dedent(FIVE_JOBS))
+    overrides = [f"run_root={tmp_path / 'runs'}"]
+    planned = plan_sweep(load_sweep(str(path)), overrides, check_data_files=False)
+    started = planned[1].run.run_dir
+    started.mkdir(parents=True)
+    (started / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 10, "train/loss": 4.25}, {"step": 10, "val/loss": 4.5}, {"step": 12, "train/loss": 4.0}]) + "\n")
+
+    assert main(["status", str(path), *overrides]) == 0
+
+    out = capsys.readouterr().out
+    assert "sweep mine: 5 runs (1 stopped, 4 not started)" in out
+    assert "queue" not in out and "submitted" not in out
+    line = next(line for line in out.splitlines() if str(started) in line)
+    assert line.split()[:6] == ["stopped", "-", "12/20", "4.5000", "@10", "DeMo"]
+    assert "DeMo s=16 k=8" in line
+    assert f"stopped runs resume from their last checkpoint: lowcomm-sweep run {path}" in out
