@@ -192,9 +192,12 @@ def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_s
         last = int(list_checkpoints(RunDir(run.run_dir).checkpoints)[0].name.split("_")[1])
         assert 6 <= last < steps
         lost = [line for line in out0.splitlines() if line.startswith("[lowcomm] lost")]
-        assert lost == [f"[lowcomm] lost node {nodes[1].hostname} (ranks 2, 3): no answer within {DROP_TIMEOUT_S} s "
-                        f"(cluster.collective_timeout_s); the last checkpoint is step {last}; rerun the same command "
-                        "to resume"], out0[-3000:]
+        # the collective's timeout names the wait; on a loaded machine the failure may come first as
+        # a refused probe instead (both say what happened: the node cannot be reached)
+        assert lost in ([f"[lowcomm] lost node {nodes[1].hostname} (ranks 2, 3): {why}; the last checkpoint is step "
+                         f"{last}; rerun the same command to resume"]
+                        for why in (f"no answer within {DROP_TIMEOUT_S} s (cluster.collective_timeout_s)",
+                                    "unreachable")), out0[-3000:]
         assert "Traceback" not in out0.split("[lowcomm] lost")[0][-5000:]  # no rank's traceback before it
 
         subprocess.run(["ip", "-n", nodes[1].namespace, "link", "set", "eth0", "up"], check=True)
