@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from lowcomm.config import ConfigError
-from lowcomm.launch.local import RESUME_CONFIG, prepare_run_dir
+from lowcomm.launch.local import RESUME_CONFIG, launch_local, prepare_run_dir
+from lowcomm.rundir import RunDir
 from runs import tiny_run
 
 
@@ -25,6 +26,19 @@ def test_a_changed_config_under_an_explicit_run_name_is_refused_naming_the_chang
     other = tiny_run(tmp_path, "run_name=mine", "optimizer=demo")
     with pytest.raises(ConfigError, match="optimizer.name: 'adamw_ddp' -> 'demo'"):
         prepare_run_dir(other)
+
+
+def test_a_finished_run_under_the_run_name_is_no_answer_for_a_changed_config(tmp_path, capsys):
+    """Before: "mine is complete ...; nothing to do" and exit 0, for a config never trained."""
+    first = tiny_run(tmp_path, "run_name=mine", "optimizer.lr=0.0004", workers=1, max_steps=2)
+    launch_local(first)
+    assert RunDir(first.run_dir).summary.is_file()
+    with pytest.raises(ConfigError, match=r"holds another run \(run_name=mine\); this config changes optimizer.lr: "
+                                          r"0.0004 -> 0.1"):
+        launch_local(tiny_run(tmp_path, "run_name=mine", "optimizer.lr=0.1", workers=1, max_steps=2))
+    capsys.readouterr()
+    launch_local(first)  # the same config: finished, nothing to do
+    assert "is complete" in capsys.readouterr().out
 
 
 def test_a_resume_that_changes_only_logistics_keeps_the_record_and_gives_the_workers_its_own(tmp_path):

@@ -175,6 +175,7 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
     A finished run (it has its summary) is not started again: rerunning a command changes
     nothing. The run directory is locked for this launch (:mod:`lowcomm.launch.lock`)."""
     check_gpus(run)
+    check_same_run(run)  # a finished run under the chosen run_name is no answer for a changed config
     run_dir = RunDir(run.run_dir)
     if (summary := run_dir.read_summary()) is not None:
         if summary.get("diverged"):
