@@ -7,6 +7,7 @@ Everything a run produces lives under ``<run_root>/<experiment>/<run_name>/``::
     summary.json                   final numbers, written once the run finished
     checkpoints/step_000000100/    complete checkpoints (manifest.json written last)
     eval/step_000000100.json       lm-eval results of that checkpoint
+    eval/cache/step_000000100/     each task's result, kept for a rerun of lowcomm-eval to reuse
     slurm/                         submitit's job files and logs, and the submission record
 
 This module is the one place that knows these names and how to read them. Training writes
@@ -30,6 +31,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINTS_DIR = "checkpoints"
 EVAL_DIR = "eval"
+EVAL_CACHE_DIR = "cache"  # in EVAL_DIR
 SLURM_DIR = "slurm"
 SUBMISSIONS_FILE = "submissions.jsonl"  # in SLURM_DIR: one record per submitted job
 
@@ -82,6 +84,9 @@ class RunDir:
 
     def eval_result(self, step: int) -> Path:
         return self.eval_dir / f"{step_dir_name(step)}.json"
+
+    def eval_cache_dir(self, step: int) -> Path:
+        return self.eval_dir / EVAL_CACHE_DIR / step_dir_name(step)
 
     def is_run(self) -> bool:
         """Whether this looks like a lowcomm run directory (it has its config.yaml)."""

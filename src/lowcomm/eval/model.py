@@ -9,7 +9,7 @@ needs nothing of the model but ``forward(input_ids).logits``, so any lowcomm mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +68,13 @@ class LowcommLM(TemplateLM):
         max_length: the longest input the model reads (its ``max_sequence_length``).
         batch_size: windows per forward pass.
         device: where the model lives.
+
+    ``progress``: when set, called as ``progress(windows_scored, windows_total)`` after each
+    forward pass, and lm-eval's bars and this class's own are off (``lowcomm-eval`` shows one
+    progress line for all of its checkpoints and tasks).
     """
+
+    progress: Callable[[int, int], None] | None = None
 
     def __init__(
         self,
@@ -130,6 +136,11 @@ class LowcommLM(TemplateLM):
         return self.tokenizer.encode(string)
 
     # ------------------------------------------------------------------- scoring
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # lm-eval's evaluator calls this without ``disable_tqdm``: its "Tokenizing inputs" bar
+        # is switched off here when the progress is reported to ``progress``.
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.progress is not None)
+
     def _loglikelihood_tokens(
         self,
         requests: list[tuple[tuple[str, str], list[int], list[int]]],
@@ -184,7 +195,9 @@ class LowcommLM(TemplateLM):
         logprob_sums = [0.0] * n_requests
         all_greedy = [True] * n_requests
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i].input_ids))
-        progress = tqdm(total=len(windows), desc="Scoring", unit="window", disable=disable_tqdm)
+        bar = tqdm(total=len(windows), desc="Scoring", unit="window",
+                   disable=disable_tqdm or self.progress is not None)
+        scored = 0
         for batch_start in range(0, len(order), self.batch_size):
             batch = [windows[i] for i in order[batch_start : batch_start + self.batch_size]]
             padded_length = len(batch[0].input_ids)
@@ -207,8 +220,11 @@ class LowcommLM(TemplateLM):
             ):
                 logprob_sums[window.request_index] += logprob
                 all_greedy[window.request_index] &= greedy
-            progress.update(len(batch))
-        progress.close()
+            bar.update(len(batch))
+            scored += len(batch)
+            if self.progress is not None:
+                self.progress(scored, len(windows))
+        bar.close()
         return list(zip(logprob_sums, all_greedy, strict=True))
 
     def get_model_info(self) -> dict:

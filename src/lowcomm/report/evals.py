@@ -12,6 +12,9 @@ CLI placed there is read too. The keys read, in order of preference, for task ``
 
 lm-eval writes the stderr as the string ``"N/A"`` when it cannot compute one (a single document);
 that reads as None.
+
+A task's chance level (``tasks[T]["chance"]``, written by lowcomm-eval) is the mean over the
+documents scored of 1 / (number of choices): :func:`task_chance`.
 """
 
 from __future__ import annotations
@@ -60,6 +63,33 @@ def task_score(result: dict[str, Any], task: str, metric: str) -> Score | None:
                 if value is not None:
                     return Score(value, _number(entry.get(stderr_key)))
     return None
+
+
+@dataclass(frozen=True)
+class Chance:
+    """The accuracy of a uniform guess on the documents scored, and how many had each number of
+    choices (``{"4": 567, "5": 2, "3": 1}``)."""
+
+    value: float
+    documents: int
+    choices: dict[str, int]
+
+    def describe(self) -> str:
+        """``0.2500 (4 choices each, n=4)``, or where the number of choices varies (ARC-Easy)
+        ``0.2500 (mean of 1/choices over n=570: 1 with 3, 567 with 4, 2 with 5)``."""
+        if len(self.choices) == 1:
+            (count,) = self.choices
+            return f"{self.value:.4f} ({count} choices each, n={self.documents})"
+        counts = ", ".join(f"{n} with {count}" for count, n in self.choices.items())
+        return f"{self.value:.4f} (mean of 1/choices over n={self.documents}: {counts})"
+
+
+def task_chance(result: dict[str, Any], task: str) -> Chance | None:
+    """The chance level lowcomm-eval stored for ``task``, or None (a file without one)."""
+    chance = ((result.get("tasks") or {}).get(task) or {}).get("chance")
+    if not isinstance(chance, dict) or _number(chance.get("value")) is None:
+        return None
+    return Chance(_number(chance["value"]), chance.get("documents"), dict(chance.get("choices") or {}))
 
 
 def _number(value: Any) -> float | None:
