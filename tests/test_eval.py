@@ -4,6 +4,7 @@ passes, the checkpoint reader, and the ``lowcomm-eval`` command end to end on a 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import shutil
@@ -42,17 +43,24 @@ def shipped_docs(relative: str) -> datasets.Dataset:
     return datasets.load_from_disk(str(SHIPPED / relative), keep_in_memory=True)
 
 
-def make_run(run_dir: Path, step: int, seed: int = 0) -> torch.nn.Module:
+def make_run(run_dir: Path, step: int, seed: int = 0, optimizer: dict | None = None,
+             content_hash: bool = False) -> torch.nn.Module:
     """A run directory with one complete checkpoint of the tiny model, as the training loop lays
-    it out (config.yaml with the model section, model.pt, manifest.json written last)."""
+    it out (config.yaml with the model and optimizer sections, model.pt, manifest.json written
+    last; with ``content_hash`` the manifest records model.pt's sha256, as training does now,
+    else its size only, as older checkpoints did)."""
     spec = ModelSpec()
     model = build_model(spec, "cpu", seed=seed)
     checkpoint_dir = run_dir / "checkpoints" / f"step_{step:09d}"
-    checkpoint_dir.mkdir(parents=True)
-    torch.save(model.state_dict(), checkpoint_dir / "model.pt")
-    manifest = {"step": step, "files": {"model.pt": (checkpoint_dir / "model.pt").stat().st_size}}
-    (checkpoint_dir / "manifest.json").write_text(json.dumps(manifest))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": dataclasses.asdict(spec), "seed": 0}))
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    model_file = checkpoint_dir / "model.pt"
+    torch.save(model.state_dict(), model_file)
+    entry = model_file.stat().st_size
+    if content_hash:
+        entry = {"size": entry, "sha256": hashlib.sha256(model_file.read_bytes()).hexdigest()}
+    (checkpoint_dir / "manifest.json").write_text(json.dumps({"step": step, "files": {"model.pt": entry}}))
+    config = {"model": dataclasses.asdict(spec), "seed": 0, "optimizer": optimizer or {"name": "adamw_ddp"}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     return model.eval()
 
 
@@ -319,20 +327,25 @@ def test_cli_evaluates_a_tiny_checkpoint_end_to_end(tmp_path, capsys):
     assert exit_code == 1  # one of the two runs could not be evaluated ...
     assert f"{broken / 'checkpoints' / 'step_000000002' / 'model.pt'} is truncated" in captured.err
     assert "ARC-Easy is scored on its validation split" in captured.err
-    # lm-eval's own bars (one per task while it builds and tokenizes requests) are folded away;
-    # lowcomm's scoring bar is the progress shown
+    # lm-eval's own bars (one per task while it builds and tokenizes requests) and the model's
+    # scoring bar are off; one progress line counts checkpoints x tasks, in plain lines (capsys
+    # is no terminal: no carriage returns)
     assert "Tokenizing inputs" not in captured.err and "| 4/4 [" not in captured.err
-    assert "Scoring" in captured.err
+    assert "Scoring" not in captured.err and "\r" not in captured.err
+    assert "[3/6 checkpoint-tasks]" in captured.err and "ETA" in captured.err
+    assert "fatal: not a git repository" not in captured.err
     assert not (broken / "eval").exists()
     result = json.loads((tmp_path / "run" / "eval" / "step_000000005.json").read_text())  # ... the other was
 
-    assert result["step"] == 5 and result["limit"] == 4 and result["num_fewshot"] == 0
+    assert result["step"] == 5 and result["num_fewshot"] == 0
     assert result["model"] == dataclasses.asdict(ModelSpec())
     assert set(result["tasks"]) == {"hellaswag", "arc_easy", "piqa"}
     for name, metric in (("hellaswag", "acc_norm"), ("arc_easy", "acc"), ("piqa", "acc_norm")):
         scores = result["tasks"][name]
         assert scores["metric"] == metric and scores["split"] == "validation"
-        assert scores["documents_scored"] == 4
+        assert scores["documents_scored"] == 4 and scores["limit"] == 4
+        assert Path(scores["cache_file"]).parent == tmp_path / "run" / "eval" / "cache" / "step_000000005"
+        assert set(scores["timing_s"]) == {"load_model", "evaluate", "total", "shared_by"}
         assert (
             scores["value"]
             == scores[metric]
@@ -342,12 +355,11 @@ def test_cli_evaluates_a_tiny_checkpoint_end_to_end(tmp_path, capsys):
     assert result["tasks"]["arc_easy"]["official_split"] == "test"
     assert any("validation" in note for note in result["notes"])
     assert result["lm_eval"]["configs"]["lowcomm_piqa"]["doc_to_text"] == "Question: {{goal}}\nAnswer:"
-    assert set(result["timing_s"]) == {"load_model", "evaluate", "total"}
 
     acc, acc_norm = expected_arc_scores(model, n_docs=4, max_length=ModelSpec().max_sequence_length)
     assert result["tasks"]["arc_easy"]["acc"] == pytest.approx(acc)
     assert result["tasks"]["arc_easy"]["acc_norm"] == pytest.approx(acc_norm)
-    assert str(tmp_path / "run") in captured.out  # the summary table
+    assert str(tmp_path / "run") in captured.out and "AdamW-DDP" in captured.out  # the table, with labels
 
 
 @pytest.mark.slow
