@@ -38,3 +38,7 @@ def test_the_readme_commands_run_as_written():
     assert result.returncode == 0, f"README commands failed:\n{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "dry run: nothing submitted" in result.stdout
     assert "DeMo s=64 k=8" in result.stdout  # the comm table's rows
+    # lowcomm-eval on the tiny run: the label and chance row, then the rerun's reuse, then --force
+    assert "AdamW-DDP" in result.stdout and "chance: the accuracy of a uniform guess" in result.stdout
+    assert "2 to compute, 0 reused" in result.stderr and "0 to compute, 2 reused" in result.stderr
+    assert "reused arc_easy, piqa of " in result.stderr and "(--force: nothing reused)" in result.stderr
