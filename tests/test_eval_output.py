@@ -133,12 +133,15 @@ def test_a_checkpoint_that_fails_leaves_the_eta_to_the_others():
 
 
 # ------------------------------------------------------------------- labels, chance, caching
-def test_the_table_labels_each_run_and_gives_each_task_its_chance_level(tmp_path, capsys):
+def test_the_table_labels_each_run_and_gives_each_task_its_chance_level(tmp_path, capfd, monkeypatch):
     runs = tmp_path / "runs"
     make_run(runs / "demo", step=4, optimizer=DEMO, content_hash=True)
     make_run(runs / "adamw", step=4, seed=1)
+    monkeypatch.chdir(tmp_path)  # outside a git repository, where lm-eval's simple_evaluate has git print
     assert main([str(runs / "*"), "--tasks", "arc_easy", "piqa", "--limit", "18", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capfd.readouterr()  # the file descriptors: what a subprocess writes too
+    assert "fatal: not a git repository" not in captured.err and "\r" not in captured.err
+    out = captured.out.splitlines()
     assert out[0].split() == ["label", "run", "step", "ARC-Easy", "acc", "PIQA", "acc_norm", "computed"]
     assert out[2].split() == ["chance", f"{(17 / 4 + 1 / 5) / 18:.4f}", "0.5000"]
     rows = [re.split(r"\s{2,}", line) for line in out[3:5]]
@@ -262,3 +265,18 @@ def test_the_batch_size_does_not_change_a_score(tmp_path):
     for metric in ("acc", "acc_norm"):
         assert one["arc_easy"]["summary"][metric] == many["arc_easy"]["summary"][metric]
     assert (one["arc_easy"]["summary"]["batch_size"], many["arc_easy"]["summary"]["batch_size"]) == (1, 7)
+
+
+def test_runs_that_would_share_a_label_are_told_apart_and_a_foreign_run_is_named_by_its_directory(tmp_path):
+    from lowcomm.cli.eval import run_labels
+
+    for name, lr in (("fast", 0.01), ("slow", 0.001)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(json.dumps({"optimizer": {**DEMO, "lr": lr}}))
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "config.yaml").write_text("model: {}\n")  # no optimizer: not lowcomm-train's
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.yaml").write_text("model: [\n")
+    runs = [tmp_path / name for name in ("fast", "slow", "foreign", "broken")]
+    assert run_labels(runs) == {runs[0]: "DeMo s=16 k=8 lr=0.01", runs[1]: "DeMo s=16 k=8 lr=0.001",
+                                runs[2]: "foreign", runs[3]: "broken"}

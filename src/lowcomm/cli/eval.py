@@ -23,6 +23,7 @@ from lowcomm.rundir import CONFIG_FILE, CheckpointError, RunDir
 
 if TYPE_CHECKING:
     from lowcomm.eval import Checkpoint, TaskSpec
+    from lowcomm.report.evals import Chance
 
 # The task names, as lowcomm.eval.tasks defines them (read without importing lm-eval, so that
 # --help answers at once).
@@ -135,51 +136,49 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
 
 def run_labels(run_dirs: list[Path]) -> dict[Path, str]:
     """Each run's readable label (``DeMo s=32 k=16``), told apart where two would read alike, as
-    the tables and figures name it. A run whose config cannot be read, or names no optimizer (not
-    written by lowcomm-train), is named by its directory; its evaluation reports what is wrong."""
-    from lowcomm.report.runs import RunRecord, distinct_labels, load_run
+    the tables and figures name it (from the config alone: a run's metrics and earlier results
+    do not matter here). A run whose config cannot be read, or names no optimizer (not written
+    by lowcomm-train), is named by its directory; its evaluation reports what is wrong."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lowcomm.config import load_run_config
+    from lowcomm.report.runs import RunRecord, distinct_labels
 
     records: list[RunRecord] = []
     unlabelled: dict[Path, str] = {}
     for run_dir in run_dirs:
         try:
-            record = load_run(run_dir)
-        except Exception:  # noqa: BLE001 - any unreadable file: the label falls back, evaluation names it
-            record = None
-        if record is not None and isinstance(record.config.get("optimizer"), dict):
-            records.append(record)
+            config = OmegaConf.to_container(load_run_config(RunDir(run_dir).config), resolve=True)
+        except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException):
+            config = None
+        if isinstance(config, dict) and isinstance(config.get("optimizer"), dict):
+            records.append(RunRecord(path=run_dir, config=config, metrics=[], summary=None))
         else:
             unlabelled[run_dir] = run_dir.name
     return {record.path: label for record, label in zip(records, distinct_labels(records), strict=True)} | unlabelled
 
 
-def chance_footnote(results: list[dict], tasks: list[TaskSpec]) -> str | None:
-    """How the chance row was computed, per task, from the stored chance levels."""
+def task_chances(results: list[dict], tasks: list[TaskSpec]) -> dict[str, Chance | None]:
+    """Each task's chance level as stored with its scores (the same for every checkpoint of one
+    evaluation: the same documents are scored)."""
     from lowcomm.report.evals import task_chance
 
-    described = []
-    for task in tasks:
-        chance = next((c for result in results if (c := task_chance(result, task.name)) is not None), None)
-        if chance is not None:
-            described.append(f"{task.display_name} {chance.describe()}")
-    if not described:
-        return None
-    return ("chance: the accuracy of a uniform guess, the mean over the documents scored of 1/(number of "
-            "choices): " + "; ".join(described))
+    return {task.name: next((c for result in results if (c := task_chance(result, task.name)) is not None), None)
+            for task in tasks}
 
 
 def format_table(rows: list[tuple[Checkpoint, str, dict, str]], tasks: list[TaskSpec]) -> str:
     """One line per evaluated checkpoint: its label and run directory, the paper's metric of each
     task with its stderr and n, and how the result was obtained (seconds computed, or cached);
     above them the chance level of each task, and below them how it was computed."""
-    from lowcomm.report.evals import Score, task_chance
+    from lowcomm.report.evals import Score
 
+    chances = task_chances([result for _, _, result, _ in rows], tasks)
     header = ["label", "run", "step", *(f"{task.display_name} {task.metric}" for task in tasks), "computed"]
-    chance_row = ["chance", "", ""]
-    for task in tasks:
-        chance = next((c for _, _, result, _ in rows if (c := task_chance(result, task.name)) is not None), None)
-        chance_row.append(f"{chance.value:.4f}" if chance is not None else "-")
-    lines = [header, [*chance_row, ""]]
+    chance_row = ["chance", "", "", *(f"{c.value:.4f}" if (c := chances[task.name]) else "-" for task in tasks), ""]
+    lines = [header, chance_row]
     for checkpoint, label, result, computed in rows:
         scores = result["tasks"]
         lines.append(
@@ -197,8 +196,10 @@ def format_table(rows: list[tuple[Checkpoint, str, dict, str]], tasks: list[Task
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines
     ]
     rendered.insert(1, "  ".join("-" * width for width in widths))
-    if footnote := chance_footnote([result for _, _, result, _ in rows], tasks):
-        rendered += ["", footnote]
+    described = [f"{task.display_name} {c.describe()}" for task in tasks if (c := chances[task.name])]
+    if described:
+        rendered += ["", "chance: the accuracy of a uniform guess, the mean over the documents scored of "
+                         "1/(number of choices): " + "; ".join(described)]
     return "\n".join(rendered)
 
 
