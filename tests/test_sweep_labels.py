@@ -165,3 +165,17 @@ def test_status_of_a_local_sweep_shows_labels_and_validation_loss_without_a_slur
     assert line.split()[:6] == ["stopped", "-", "12/20", "4.5000", "@10", "DeMo"]
     assert "DeMo s=16 k=8" in line
     assert f"stopped runs resume from their last checkpoint: lowcomm-sweep run {path}" in out
+
+
+def test_one_run_name_for_jobs_that_train_different_things_is_refused(tmp_path):
+    """Before: every job after the first was dropped without a word (same run directory)."""
+    from lowcomm.config import ConfigError
+
+    sweep = _sweep(tmp_path, """\
+        base: [experiment=quickstart, run_name=mine]
+        points: [[optimizer=adamw_ddp], [optimizer=demo]]
+        """)
+    with pytest.raises(ConfigError, match=r"job 2 \(optimizer=demo\): would train in job 1's run directory .*/mine "
+                                          r"\(run_name=mine\) although it changes optimizer.name: 'adamw_ddp' -> "
+                                          r"'demo'.*give each job its own run_name, or none"):
+        plan_sweep(sweep, check_data_files=False)

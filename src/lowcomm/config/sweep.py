@@ -60,6 +60,7 @@ from omegaconf import OmegaConf
 from lowcomm.config.compose import compose
 from lowcomm.config.data_checks import data_problems
 from lowcomm.config.labels import distinct_labels, template_label
+from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.config.schema import ConfigError, RunConfig
 from lowcomm.config.suggest import did_you_mean
 from lowcomm.config.validation import validate
@@ -437,11 +438,12 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
 
     Raises :class:`ConfigError` listing the problems of every invalid job (each message prefixed
     by the job's number and overrides), so nothing is started unless all jobs are valid. Jobs
-    that resolve to the same run directory are kept once (the first).
+    that resolve to the same run directory are kept once (the first); jobs that would share one run
+    directory but train different things (one explicit run_name for all) are an error.
     """
     planned: list[PlannedRun] = []
     errors: list[tuple[int, list[str], str]] = []
-    seen: set[Path] = set()
+    seen: dict[Path, tuple[int, dict]] = {}  # run directory -> the first job in it, what it trains
     for number, job in enumerate(sweep.jobs, start=1):
         varying = [o for o in job[len(sweep.base):] if not o.startswith("label=")]  # what it trains differently
         overrides = [*job, *extra_overrides]
@@ -453,9 +455,14 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
         except HydraException as exc:  # an unknown group option or key, a malformed override
             errors.append((number, varying, str(exc).splitlines()[0]))
             continue
+        trains = what_is_trained(run.raw)
         if run.run_dir not in seen:
-            seen.add(run.run_dir)
+            seen[run.run_dir] = (number, trains)
             planned.append(PlannedRun(number=number, varying=varying, overrides=overrides, run=run))
+        elif changes := changed_keys(seen[run.run_dir][1], trains):  # one run_name set for every job
+            errors.append((number, varying, f"would train in job {seen[run.run_dir][0]}'s run directory "
+                                            f"{run.run_dir} (run_name={run.run_name}) although it changes "
+                                            f"{'; '.join(changes)}: give each job its own run_name, or none"))
     if check_data_files and not errors:
         errors += _data_errors(planned)
     if errors:
