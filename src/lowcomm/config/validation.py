@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,22 @@ from lowcomm.data.memmap import DTYPES, DataError, check_token_file, expand_path
 from lowcomm.data.synthetic import SyntheticSpec
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
+
+_UNEXPANDED = re.compile(r"\$\{?([A-Za-z_]\w*)")
+
+
+def run_root_errors(run_root: Any) -> list[str]:
+    """A run root that a shell variable failed to fill: ``/scratch/$USER/lowcomm`` quoted (the
+    variable left in the path) or expanded while unset (``/scratch//lowcomm``, an empty part).
+    Either would put a whole sweep's checkpoints somewhere nobody meant, and say nothing."""
+    text = str(run_root or "")
+    if match := _UNEXPANDED.search(text):
+        return [f"run_root={text} holds ${match.group(1)}, which was not expanded: lowcomm does not read the "
+                f"environment in paths; let the shell expand it (unquoted), or write the path out"]
+    if "//" in text.lstrip("/") or text.endswith("//"):
+        return [f"run_root={text} has an empty part (//): was an environment variable unset or empty when the "
+                "shell expanded it (e.g. /scratch/$USER/lowcomm with USER unset)? Write the path out"]
+    return []
 
 
 def sections_with_key(leaf: str) -> list[tuple[str, str]]:
@@ -115,7 +132,13 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunCon
     ``check_data_files=False`` leaves out what needs the data files (they exist, their size
     and dtype agree): a dry run on a laptop plans a cluster run before its data is staged."""
     if isinstance(cfg, DictConfig):
-        raw = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            raw = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as exc:  # ${USER} reaching Hydra quoted: an interpolation, not the shell's
+            key = getattr(exc, "full_key", None) or "the config"
+            raise ConfigError([f"{key}: {str(exc).splitlines()[0]}: ${{...}} is Hydra's interpolation of another "
+                               "config key; for an environment variable let the shell expand $VAR (unquoted), or "
+                               "write the value out"]) from None
     else:
         raw = dict(cfg)
     errors: list[str] = []
@@ -157,6 +180,7 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunCon
     if data is not None and train is not None:
         _validate_data(data, model, train, errors, check_files=check_data_files)
 
+    errors += run_root_errors(raw.get("run_root"))
     experiment = str(raw.get("experiment_name") or "default")
     if errors:
         raise ConfigError(errors)
