@@ -21,16 +21,12 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from lowcomm.config.naming import what_is_trained
 from lowcomm.strategies import STRATEGIES
 
 # How the papers name each optimizer config (each strategy's ``display``).
 OPTIMIZER_NAMES = {name: strategy.display.name for name, strategy in STRATEGIES.items()}
 
-# Config keys that differ between runs without changing what was trained, or that a label never
-# shows (the label itself, where the run is kept, how often it logs).
-NOT_DISTINGUISHING = frozenset({
-    "run_root", "run_name", "label", "experiment_name", "train.log_every", "train.checkpoint_every",
-    "train.keep_checkpoints"})
 # The papers' letters: DeMo's DCT block side s and coefficients kept per block k, DiLoCo's H inner
 # steps between synchronisations.
 SHORT_NAMES = {"compression_chunk": "s", "chunk": "s", "compression_topk": "k", "topk": "k", "sync_every": "H"}
@@ -61,11 +57,9 @@ def run_label(config: Mapping[str, Any]) -> str:
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"optimizer.lr": 0.001, ...}`` from a nested config (wandb's settings left out)."""
+    """``{"optimizer.lr": 0.001, ...}`` from a nested config."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
-        if not prefix and key == "wandb":
-            continue
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, Mapping):
             flat.update(flatten(value, dotted))
@@ -90,10 +84,16 @@ def _short_names(keys: Sequence[str]) -> dict[str, str]:
     return {key: key if name in clashing else name for key, name in short.items()}
 
 
+def _distinguishing(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a label may show of a config: what it trains (the run name's rule, so not where it
+    is kept or how often it logs) and the cluster it trains on (its world size)."""
+    return flatten({**what_is_trained(dict(config)), "cluster": config.get("cluster") or {}})
+
+
 def differing_keys(configs: Sequence[Mapping[str, Any]], ignore: Collection[str] = ()) -> list[str]:
     """The dotted keys whose values are not the same in all of ``configs``, in sorted order."""
-    flat = [flatten(config) for config in configs]
-    keys = sorted({key for config in flat for key in config} - NOT_DISTINGUISHING - set(ignore))
+    flat = [_distinguishing(config) for config in configs]
+    keys = sorted({key for config in flat for key in config} - set(ignore))
     return [key for key in keys if len({repr(config.get(key)) for config in flat}) > 1]
 
 
@@ -115,7 +115,7 @@ def distinct_labels(configs: Sequence[Mapping[str, Any]], labels: Sequence[str] 
         short = _short_names(differing)
         for i in group:
             if differing and (max_details is None or len(differing) <= max_details):
-                flat = flatten(configs[i])
+                flat = _distinguishing(configs[i])
                 detail = " ".join(f"{short[key]}={format_value(flat.get(key))}" for key in differing)
             elif fallbacks is not None:
                 detail = fallbacks[i]

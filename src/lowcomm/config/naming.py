@@ -17,7 +17,8 @@ def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
     logs (cluster, wandb, run_root, label, ...) and the training loop's logistics (how often it
     logs, evaluates and checkpoints). A resume may change the rest, never this."""
     semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
-    semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+    if isinstance(raw.get("train"), dict):  # (a hand-made config a report reads may have none)
+        semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
     return semantic
 
 
