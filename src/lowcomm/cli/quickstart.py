@@ -16,7 +16,6 @@ each with its standard error and n.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.local import Interrupted, WorkerFailure, launch_local
-from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
+from lowcomm.launch.signals import Terminated, sigterm_as_interrupt, stopped_between_runs
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.runs import load_run
 from lowcomm.report.tables import SUMMARY_COLUMNS, markdown_table, summary_columns, summary_rows, write_csv
@@ -48,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_interrupt():
             return _quickstart(args)
     except (KeyboardInterrupt, Terminated) as exc:  # between runs: a run interrupted raises Interrupted
-        print(f"quickstart: interrupted{' (SIGTERM)' if isinstance(exc, Terminated) else ''}; finished runs are "
-              "kept, run the same command to go on", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        return stopped_between_runs("quickstart", exc)
 
 
 def _quickstart(args: argparse.Namespace) -> int:

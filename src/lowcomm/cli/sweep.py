@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import signal
 import sys
 import time
 from collections import Counter
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING
 from lowcomm.hardware import FS_BANDWIDTH as DEFAULT_FS_BANDWIDTH
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS as DEFAULT_PEAK_FLOPS
 from lowcomm.hardware import TYPICAL_MFU as DEFAULT_MFU
-from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
+from lowcomm.launch.signals import Terminated, sigterm_as_interrupt, stopped_between_runs
 from lowcomm.paths import repo_root
 
 if TYPE_CHECKING:
@@ -571,8 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "smallest or largest tried, up to tune.widen more values a factor of 2 beyond it, default 2), "
                     "then at the best value once per seed; the table (excess loss over the Bayes floor as mean ± "
                     "std over seeds, bytes, a verdict against the baseline by a stated rule, from 2 seeds), the tuning grid "
-                    "and a "
-                    "figure with seed bands go to --out. "
+                    "and a figure with seed bands go to --out. "
                     "Finished runs are not trained again. Example: lowcomm-sweep run table1_tiny")
     run.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     run.add_argument("overrides", nargs="*", help="Hydra overrides added to every job, e.g. run_root=/scratch/runs")
@@ -600,9 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_as_interrupt():
             return args.handler(parser, args)
     except (KeyboardInterrupt, Terminated) as exc:  # planning or between runs: a run interrupted raises Interrupted
-        print(f"{PROG}: interrupted{' (SIGTERM)' if isinstance(exc, Terminated) else ''}; finished runs are kept, "
-              "run the same command to go on", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        return stopped_between_runs(PROG, exc)
     except Exception as exc:
         from lowcomm.launch.local import Interrupted
 

@@ -9,6 +9,7 @@ a ``+typo`` that Hydra accepts is refused later by :func:`lowcomm.config.validat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from hydra import compose as hydra_compose
@@ -67,9 +68,7 @@ def sweep_hint(overrides: Sequence[str]) -> str:
         return ("there is no -m / --multirun: lowcomm-train runs one config; for several, write a sweep file "
                 "(base: [...], points: or grid: {key: [values]}) and run lowcomm-sweep run FILE "
                 "(lowcomm-sweep submit FILE --dry-run for SLURM)")
-    runs = 1
-    for values in grid.values():
-        runs *= len(values)
+    runs = math.prod(len(values) for values in grid.values())
     # the sweep file itself, as one line of YAML (a flow mapping)
     grid_text = "{" + ", ".join(f"{key}: [{', '.join(values)}]" for key, values in grid.items()) + "}"
     sweep = "{" + (f"base: [{', '.join(base)}], " if base else "") + f"grid: {grid_text}" + "}"

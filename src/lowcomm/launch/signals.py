@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -38,3 +39,12 @@ def sigterm_as_interrupt() -> Iterator[None]:
     finally:
         if handles:
             signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_between_runs(prog: str, exc: BaseException) -> int:
+    """Say that a command running several runs stopped between them (or while planning), on
+    Ctrl-C or SIGTERM, and return the shell's status for that signal (130, 143)."""
+    terminated = isinstance(exc, Terminated)
+    print(f"{prog}: interrupted{' (SIGTERM)' if terminated else ''}; finished runs are kept, run the same command "
+          "to go on", file=sys.stderr)
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
