@@ -15,6 +15,11 @@ import pytest
 # multi-node tests (tests/test_nodes.py) hold each node's links to the same bounds.
 OVERHEAD_PER_BYTE_MAX = 0.01  # measured 0.18 %: TCP/IP headers of 64 KiB segments
 OVERHEAD_PER_MESSAGE = (200.0, 1500.0)  # bytes per metered message; measured 690
+# Four ranks on two cores (tests/test_nodes.py) read their sockets late: the kernel then sends
+# smaller segments and more window updates, each with its headers and its ACK on the loopback.
+# CI saw 3.1 % beyond the per-message bound once (2026-11-25, AdamW-DDP's intra-node ring: 981,200
+# bytes on lo for 933,888 metered in 12 messages); the bound leaves room for three times that.
+OVERHEAD_PER_BYTE_LOADED_MAX = 0.10
 
 
 def need_iproute2() -> None:
