@@ -74,17 +74,3 @@ def test_a_key_without_its_section_names_the_key_it_belongs_to(override, meant):
     assert f"did you mean {meant}?" in message
     key = meant.split(" ")[0]
     compose(["optimizer=demo", f"{key}={override.split('=')[1]}"])  # the key it names exists
-
-
-@pytest.mark.parametrize("run_root, said", [
-    ("/scratch//lowcomm", "has an empty part (//): was an environment variable unset or empty"),
-    ("/scratch/$USER/lowcomm", "holds $USER, which was not expanded"),
-    ("/scratch/${USER}/lowcomm", "run_root: Interpolation key 'USER' not found: ${...} is Hydra's interpolation"),
-])
-def test_a_run_root_an_environment_variable_failed_to_fill_is_refused(run_root, said):
-    """Before: run_root=/scratch/${USER}/lowcomm with USER unset silently became /scratch//lowcomm."""
-    from lowcomm.config import validate
-
-    with pytest.raises(ConfigError, match=re.escape(said)):
-        validate(compose([f"run_root={run_root}"]))
-    assert validate(compose(["run_root=/scratch/me/lowcomm"])).run_root == "/scratch/me/lowcomm"

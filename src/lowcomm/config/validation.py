@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from lowcomm.compress import CODECS, build_codec, codec_config_errors
 from lowcomm.config.cluster import cluster_errors, collective_timeout_errors, normalised
@@ -32,22 +32,6 @@ from lowcomm.data.memmap import DTYPES, DataError, check_token_file, expand_path
 from lowcomm.data.synthetic import SyntheticSpec
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
-
-_UNEXPANDED = re.compile(r"\$\{?([A-Za-z_]\w*)")
-
-
-def run_root_errors(run_root: Any) -> list[str]:
-    """A run root that a shell variable failed to fill: ``/scratch/$USER/lowcomm`` quoted (the
-    variable left in the path) or expanded while unset (``/scratch//lowcomm``, an empty part).
-    Either would put a whole sweep's checkpoints somewhere nobody meant, and say nothing."""
-    text = str(run_root or "")
-    if match := _UNEXPANDED.search(text):
-        return [f"run_root={text} holds ${match.group(1)}, which was not expanded: lowcomm does not read the "
-                f"environment in paths; let the shell expand it (unquoted), or write the path out"]
-    if "//" in text.lstrip("/") or text.endswith("//"):
-        return [f"run_root={text} has an empty part (//): was an environment variable unset or empty when the "
-                "shell expanded it (e.g. /scratch/$USER/lowcomm with USER unset)? Write the path out"]
-    return []
 
 
 def sections_with_key(leaf: str) -> list[tuple[str, str]]:
@@ -126,6 +110,48 @@ def _one_of(value: Any, allowed: tuple, key: str, errors: list[str]) -> None:
         errors.append(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
 
 
+# Keys that hold paths. An unset environment variable must not move a run elsewhere: the shell
+# turns run_root=/scratch/$USER/lowcomm with USER unset into /scratch//lowcomm, which is
+# /scratch/lowcomm to every reader.
+PATH_KEYS = ("run_root", "data.paths", "data.val_paths")
+_SHELL_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolation_error(exc: InterpolationResolutionError) -> str:
+    """One line for an interpolation that cannot be resolved, naming the key and the variable."""
+    detail = str(exc).splitlines()[0]
+    key = exc.full_key or "the config"
+    variable = re.search(r"Environment variable '([^']+)' not found", detail)
+    if variable:
+        return (f"{key}: the environment variable {variable.group(1)} is not set (${{oc.env:{variable.group(1)}}}); "
+                "set it, or write the value out")
+    missing = re.search(r"Interpolation key '([^']+)' not found", detail)
+    if isinstance(exc, InterpolationKeyError) and missing:
+        return (f"{key}: ${{{missing.group(1)}}} names no config key; for the environment variable write "
+                f"${{oc.env:{missing.group(1)}}}, or let the shell expand ${missing.group(1)}")
+    return f"{key}: {detail}"
+
+
+def path_errors(raw: Mapping[str, Any]) -> list[str]:
+    """Paths that an unset or unexpanded environment variable has left wrong, each naming its key."""
+    errors = []
+    for key in PATH_KEYS:
+        section, _, leaf = key.rpartition(".")
+        node = raw.get(section) if section else raw
+        value = node.get(leaf) if isinstance(node, Mapping) else None
+        for path in ([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+            if not isinstance(path, str):
+                continue
+            if "//" in path:
+                errors.append(f"{key}={path}: an empty directory name ('//'), as an unset environment variable "
+                              "leaves it (/scratch/$USER/lowcomm without USER): set the variable, or write the "
+                              "path out")
+            elif variable := _SHELL_VARIABLE.search(path):
+                errors.append(f"{key}={path}: ${variable.group(1)} was not expanded (quoted in the shell?): write the "
+                              f"path out, or ${{oc.env:{variable.group(1)}}}")
+    return errors
+
+
 def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunConfig:
     """Check a composed config completely; raise ConfigError with every problem found.
 
@@ -134,14 +160,13 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunCon
     if isinstance(cfg, DictConfig):
         try:
             raw = OmegaConf.to_container(cfg, resolve=True)
-        except OmegaConfBaseException as exc:  # ${USER} reaching Hydra quoted: an interpolation, not the shell's
-            key = getattr(exc, "full_key", None) or "the config"
-            raise ConfigError([f"{key}: {str(exc).splitlines()[0]}: ${{...}} is Hydra's interpolation of another "
-                               "config key; for an environment variable let the shell expand $VAR (unquoted), or "
-                               "write the value out"]) from None
+        except InterpolationResolutionError as exc:
+            raise ConfigError([interpolation_error(exc)]) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError([f"{getattr(exc, 'full_key', None) or 'the config'}: {str(exc).splitlines()[0]}"]) from None
     else:
         raw = dict(cfg)
-    errors: list[str] = []
+    errors: list[str] = path_errors(raw)
     for group in ("model", "optimizer", "compression", "data", "train", "cluster"):
         if not isinstance(raw.get(group), dict):
             errors.append(f"{group}: missing; the config must set the {group} group")
@@ -180,7 +205,6 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunCon
     if data is not None and train is not None:
         _validate_data(data, model, train, errors, check_files=check_data_files)
 
-    errors += run_root_errors(raw.get("run_root"))
     experiment = str(raw.get("experiment_name") or "default")
     if errors:
         raise ConfigError(errors)
