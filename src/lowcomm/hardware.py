@@ -1,4 +1,5 @@
-"""Reference accelerator figures used by estimates (GPU-hours, MFU), in one place.
+"""Reference accelerator and filesystem figures used by estimates (GPU-hours, MFU, checkpoint
+writes), in one place.
 
 A foundation module (no torch) so that command-line help can quote them without loading the
 library.
@@ -11,6 +12,11 @@ TYPICAL_MFU = 0.4
 # GPUs per node in the DeMo paper's runs (8 nodes x 8 GPUs): the default node size of the
 # byte tables for strategies that group ranks by node.
 PAPER_GPUS_PER_NODE = 8
-# A parallel filesystem's write bandwidth for one job (bytes/s, all ranks together): often about
-# this; `lowcomm-sweep submit --dry-run --fs-bandwidth` sets it for the checkpoint estimate.
-FS_BANDWIDTH = 1e9
+# What one rank writes per second when it saves its share of a checkpoint (torch.save into a
+# file hashed as it is written, then fsync; every rank writes its own files at the same time), in
+# MB/s (1e6 bytes). Measured with benchmarks/checkpoint_write.py on the development machine
+# (2026-11-25, a virtual disk, 1,000 MB per rank, best of 3): 475 MB/s with one rank writing,
+# 433 MB/s per rank with two at once; rounded down. A parallel filesystem's client usually
+# writes faster, but its total over a job's ranks is shared: measure yours on a compute node in
+# the run root and set cluster.rank_write_MBps (its total / the ranks, where the total binds).
+RANK_WRITE_MBPS = 400.0

@@ -43,6 +43,10 @@ def cluster_errors(cluster: ClusterSpec) -> list[str]:
     if errors:
         return errors  # the checks below compare these numbers
     mem_gb = cluster.mem_gb
+    rate = cluster.rank_write_MBps
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
+        errors.append(f"cluster.rank_write_MBps must be a positive number (MB/s one rank writes its checkpoint "
+                      f"files at), got {rate!r}")
     if mem_gb is not None and (isinstance(mem_gb, bool) or not isinstance(mem_gb, int | float) or mem_gb < 0):
         errors.append(f"cluster.mem_gb must be a number >= 0 or null, got {mem_gb!r}")
     for key in ("partition", "account", "qos"):

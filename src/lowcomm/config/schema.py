@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lowcomm.hardware import RANK_WRITE_MBPS
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
 
@@ -97,6 +98,8 @@ class ClusterSpec:
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
     additional_parameters: dict[str, Any] = field(default_factory=dict)  # extra #SBATCH options
     collective_timeout_s: int = 900  # a collective's wait for its peers (every launcher)
+    # MB/s one rank writes its checkpoint files at (all ranks at once): the dry run's checkpoint time
+    rank_write_MBps: float = RANK_WRITE_MBPS
 
     @property
     def world_size(self) -> int:
