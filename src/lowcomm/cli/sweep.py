@@ -15,12 +15,17 @@ resources other than the world size are not part of it).
 
 ``submit`` validates every job first (nothing is submitted if any is invalid), then submits
 one SLURM job per run, named after the run, skipping runs that are finished (``summary.json``)
-or already pending / running; an interrupted run resumes from its latest checkpoint.
-``--dry-run`` prints every job (its overrides, key resolved values, run directory, an estimate
-of GPU-hours from 6 x parameters x tokens at ``--mfu`` of ``--peak-flops`` per GPU, the size
-of a checkpoint per rank and in all and the time to write it at ``--fs-bandwidth`` beside the
-preemption lead time, with a warning when it does not fit) and the sweep's total, and submits
-nothing. ``status`` lists each run as done / running / pending /
+or already pending / running; an interrupted run resumes from its latest checkpoint. Each job
+asks for the time its size needs (:func:`lowcomm.launch.estimate.plan_job`: the GPU-hour
+estimate from 6 x parameters x tokens at ``--mfu`` of ``--peak-flops`` per GPU, x 1.5, plus its
+checkpoints and start-up), at most the profile's ``cluster.timeout_min``. ``--only N|LABEL``
+takes a subset (1-based job numbers or labels; repeatable or a comma list).
+``--dry-run`` prints every job (its overrides, key resolved values, run directory, time limit
+and why, GPU-hours, the size of a checkpoint per rank and in all and the time the ranks take to
+write it, in parallel at ``cluster.rank_write_MBps`` each, beside the preemption lead time, with
+a warning when it does not fit), a table of the jobs' costs and the sweep's totals (GPU-hours,
+checkpoint time, scratch space), and submits nothing; ``--show-script`` adds each job's batch
+script and the ``srun`` line that starts its tasks. ``status`` lists each run as done / running / pending /
 failed / not submitted with its last logged step and training loss.
 """
 
@@ -36,7 +41,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lowcomm.hardware import FS_BANDWIDTH as DEFAULT_FS_BANDWIDTH
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS as DEFAULT_PEAK_FLOPS
 from lowcomm.hardware import TYPICAL_MFU as DEFAULT_MFU
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt, stopped_between_runs
@@ -45,7 +49,7 @@ from lowcomm.paths import repo_root
 if TYPE_CHECKING:
     from lowcomm.config import RunConfig
     from lowcomm.config.sweep import PlannedRun, Sweep
-    from lowcomm.launch.estimate import CheckpointEstimate, Estimate
+    from lowcomm.launch.estimate import JobPlan
     from lowcomm.launch.slurm import Queue, RunState
 
 PROG = "lowcomm-sweep"
@@ -69,12 +73,11 @@ def _fields(values: dict) -> str:
     return " ".join(f"{key}={value}" for key, value in values.items())
 
 
-def _describe_run(
-    run: RunConfig, estimate: Estimate, checkpoint: CheckpointEstimate | None = None
-) -> list[tuple[str, str]]:
-    """The resolved values that decide what a job trains and what it asks SLURM for."""
+def _describe_run(plan: JobPlan) -> list[tuple[str, str]]:
+    """The resolved values that decide what a job trains and what it asks SLURM for, and why."""
     from lowcomm.launch.slurm import submitit_parameters
 
+    run, estimate = plan.run, plan.estimate
     train, cluster = run.train, run.cluster
     optimizer = dataclasses.asdict(run.optimizer)
     lines = [
@@ -88,7 +91,8 @@ def _describe_run(
         "train",
         f"{train.max_steps:,} steps x {train.global_batch_size} sequences x {train.seq_len} tokens = "
         f"{estimate.tokens / 1e9:,.2f}B tokens; micro batch {train.micro_batch_size}, warm-up "
-        f"{train.warmup_steps}, cosine to {train.alpha_f} x lr, checkpoint every {train.checkpoint_every}",
+        f"{train.warmup_steps}, cosine to {train.alpha_f} x lr, checkpoint every {train.checkpoint_every}, "
+        f"keep {train.keep_checkpoints}",
     ))
     lines += _describe_data(run, estimate.tokens)
     if cluster.launcher == "slurm":
@@ -97,22 +101,24 @@ def _describe_run(
             f"{key}={sbatch.get(f'slurm_{key}', '(cluster default)')}" for key in ("partition", "account", "qos")
         )
         gpus = f", {cluster.gpus_per_node} GPUs/node" if cluster.gpus_per_node else ", CPU only"
+        whole = ", whole nodes (--exclusive)" if cluster.additional_parameters.get("exclusive") else ""
         lines.append((
             "slurm",
-            f"{cluster.nodes} nodes x {cluster.tasks_per_node} tasks{gpus}, {cluster.cpus_per_task} CPUs/task, "
-            f"time {_duration(cluster.timeout_min)}, {where}; {cluster.signal} {cluster.signal_delay_s} s "
-            f"before the end, up to {cluster.max_requeues} time-out requeues",
+            f"{cluster.nodes} nodes x {cluster.tasks_per_node} tasks{gpus}{whole}: the run's {run.world_size} ranks "
+            f"(cluster.nodes x cluster.tasks_per_node, the world size it trains with); {cluster.cpus_per_task} "
+            f"CPUs/task, {where}; {cluster.signal} {cluster.signal_delay_s} s before the end, up to "
+            f"{cluster.max_requeues} time-out requeues",
         ))
+        lines.append(("time limit", plan.describe_time()))
     if estimate.gpu_hours is None:
         lines.append(("estimate", "no GPUs requested: no GPU-hours"))
     else:
         lines.append((
             "estimate",
-            f"{estimate.gpu_hours:,.1f} GPU-hours ({estimate.wall_hours:,.2f} h on {estimate.gpus} GPUs), "
-            f"{estimate.flops:.3g} FLOPs",
+            f"{estimate.gpu_hours:,.1f} GPU-hours of training ({estimate.wall_hours:,.2f} h on {estimate.gpus} "
+            f"GPUs), {estimate.flops:.3g} FLOPs",
         ))
-    if checkpoint is not None:
-        lines.append(("checkpoint", checkpoint.describe()))
+    lines.append(("checkpoint", plan.checkpoint.describe()))
     return lines
 
 
@@ -152,8 +158,51 @@ def _state_words(state: RunState) -> str:
     return "would submit"
 
 
-def _gpu_hours(estimates: Sequence[Estimate]) -> float:
-    return sum(estimate.gpu_hours or 0.0 for estimate in estimates)
+def _gpu_hours(plans: Sequence[JobPlan]) -> float:
+    return sum(plan.gpu_hours or 0.0 for plan in plans)
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if count >= size:
+            return f"{count / size:,.1f} {unit}"
+    return f"{count:,.0f} B"
+
+
+def _seconds(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.0f} s"
+    return f"{seconds / 60:,.1f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"
+
+
+def _select(planned: list[PlannedRun], only: Sequence[str] | None) -> list[tuple[int, PlannedRun]]:
+    """The jobs ``--only`` names (1-based numbers or labels), with their numbers; all without it.
+    Raises ValueError naming what matches no job, or a label several jobs share, and the valid
+    numbers and labels."""
+    from lowcomm.config.suggest import did_you_mean
+
+    numbered = list(enumerate(planned, start=1))
+    if not only:
+        return numbered
+    by_label: dict[str, list[int]] = {}
+    for number, job in numbered:
+        by_label.setdefault(job.run.label, []).append(number)
+    chosen: dict[int, PlannedRun] = {}
+    problems = []
+    for item in (part.strip() for value in only for part in value.split(",")):
+        if item.isdigit() and 1 <= int(item) <= len(planned):
+            chosen[int(item)] = planned[int(item) - 1]
+        elif len(by_label.get(item, [])) == 1:
+            chosen[by_label[item][0]] = planned[by_label[item][0] - 1]
+        elif item in by_label:
+            problems.append(f"{item!r} labels jobs {', '.join(map(str, by_label[item]))}: give one's number")
+        elif item:
+            problems.append(f"{item!r} is no job{did_you_mean(item, list(by_label))}")
+    if problems or not chosen:
+        labels = "; ".join(f"{', '.join(map(str, numbers))} {label}" for label, numbers in by_label.items())
+        raise ValueError(f"--only: {'; '.join(problems) or 'no job given'}; the jobs are 1-{len(planned)} "
+                         f"({labels})")
+    return sorted(chosen.items())
 
 
 def _plan(sweep_name: str, overrides: Sequence[str], check_data_files: bool = True,
@@ -174,10 +223,11 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lowcomm.config import ConfigError
     from lowcomm.config.sweep import job_errors
     from lowcomm.data.memmap import DataError
-    from lowcomm.launch.estimate import compute_estimate
+    from lowcomm.launch.estimate import plan_job
     from lowcomm.launch.slurm import Queue, SlurmUnavailable, check_profile, submit_training
 
-    plan = _plan(args.sweep, args.overrides, check_data_files=not args.dry_run)
+    dry_run = args.dry_run or args.show_script
+    plan = _plan(args.sweep, args.overrides, check_data_files=not dry_run)
     if plan is None:
         return 2
     sweep, planned = plan
@@ -190,9 +240,14 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if errors:
         print(f"{PROG}: {ConfigError(job_errors(errors, len(sweep.jobs)))}", file=sys.stderr)
         return 2
-    estimates = [compute_estimate(job.run, mfu=args.mfu, peak_flops=args.peak_flops) for job in planned]
-    if args.dry_run:
-        return _dry_run(sweep, planned, estimates, args)
+    try:
+        selected = _select(planned, args.only)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    jobs = [(number, job, plan_job(job.run, mfu=args.mfu, peak_flops=args.peak_flops)) for number, job in selected]
+    if dry_run:
+        return _dry_run(sweep, len(planned), jobs, args)
 
     try:
         queue = Queue.read()
@@ -202,9 +257,9 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     width = len(str(len(planned)))
     outcomes: Counter[str] = Counter()
     submitted_hours = 0.0
-    for index, (job, estimate) in enumerate(zip(planned, estimates, strict=True), start=1):
+    for number, job, job_plan in jobs:
         try:
-            submission = submit_training(job.run, queue=queue)
+            submission = submit_training(job_plan.run, queue=queue)
         except SlurmUnavailable as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             print(f"{PROG}: stopped after {outcomes['submitted']} submissions; submit again to continue",
@@ -215,27 +270,48 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"{PROG}: stopped after {outcomes['submitted']} submissions", file=sys.stderr)
             return 1
         outcomes[submission.action] += 1
+        asked = ""
         if submission.action == "submitted":
-            submitted_hours += estimate.gpu_hours or 0.0
-        print(f"[{index:>{width}}/{len(planned)}] {job.run.run_name}: {submission.describe()}", flush=True)
+            submitted_hours += job_plan.gpu_hours or 0.0
+            asked = f" (time limit {_duration(job_plan.time_limit_min)})"
+        print(f"[{number:>{width}}/{len(planned)}] {job.run.label}: {job.run.run_name}: {submission.describe()}"
+              f"{asked}", flush=True)
+    only = f" --only {','.join(str(number) for number, _job, _plan in jobs)}" if args.only else ""
     print(f"sweep {sweep.name}: submitted {outcomes['submitted']} jobs ({submitted_hours:,.1f} GPU-hours), "
-          f"skipped {outcomes['skipped']}; watch them with: {PROG} status {args.sweep} "
-          f"{' '.join(args.overrides)}".rstrip())
+          f"skipped {outcomes['skipped']}{' (of those selected with' + only + ')' if only else ''}; watch them "
+          f"with: {PROG} status {args.sweep} {' '.join(args.overrides)}".rstrip())
     return 0
 
 
-def _dry_run(sweep: Sweep, planned: list[PlannedRun], estimates: list[Estimate], args: argparse.Namespace) -> int:
-    from lowcomm.launch.estimate import checkpoint_estimate
-    from lowcomm.launch.slurm import run_state
+def _plan_table(jobs: list[tuple[int, PlannedRun, JobPlan]]) -> list[str]:
+    """One row per job: what it costs and asks for."""
+    rows = [("#", "label", "GPU-hours", "checkpoints (count x write)", "time limit", "nodes", "scratch")]
+    for number, job, plan in jobs:
+        rows.append((
+            str(number), job.run.label, "-" if plan.gpu_hours is None else f"{plan.gpu_hours:,.1f}",
+            f"{plan.checkpoints} x {_seconds(plan.checkpoint.write_s)} = {_seconds(plan.checkpoint_s)}",
+            _duration(plan.time_limit_min) + (" (capped)" if plan.capped else ""), str(plan.run.cluster.nodes),
+            _bytes(plan.scratch_bytes),
+        ))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    right = {0, 2, 5, 6}
+    return ["  " + "  ".join(cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+                             for i, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def _dry_run(sweep: Sweep, count: int, jobs: list[tuple[int, PlannedRun, JobPlan]], args: argparse.Namespace) -> int:
+    from lowcomm.launch.estimate import STARTUP_MIN, TIME_MARGIN, TIME_STEP_MIN
+    from lowcomm.launch.slurm import batch_script, run_state, srun_line
 
     queue, queue_problem = _read_queue()
-    checkpoints = [checkpoint_estimate(job.run, bandwidth=args.fs_bandwidth * 1e9) for job in planned]
-    described = [_describe_run(job.run, estimate, checkpoint)
-                 for job, estimate, checkpoint in zip(planned, estimates, checkpoints, strict=True)]
-    # A value every job has is printed once, above the jobs; the estimate always per job.
+    plans = [plan for _number, _job, plan in jobs]
+    described = [_describe_run(plan) for plan in plans]
+    # A value every job has is printed once, above the jobs; the costs always per job.
+    per_job = ("estimate", "time limit", "checkpoint")
     shared = [(label, value) for label, value in described[0]
-              if label != "estimate" and all((label, value) in lines for lines in described)]
-    print(f"sweep {sweep.name}: {len(planned)} jobs, one SLURM job each")
+              if label not in per_job and all((label, value) in lines for lines in described)]
+    chosen = f", {len(jobs)} selected (--only)" if args.only else ""
+    print(f"sweep {sweep.name}: {count} jobs{chosen}, one SLURM job each")
     if sweep.description:
         print(f"  {sweep.description}")
     for label, value in [("base", " ".join(sweep.base) or "-"),
@@ -243,32 +319,43 @@ def _dry_run(sweep: Sweep, planned: list[PlannedRun], estimates: list[Estimate],
                          *shared]:
         print(f"  {label:<12} {value}")
     print(f"  {'estimate':<12} 6 x parameters x training tokens at MFU {args.mfu:g} of "
-          f"{args.peak_flops / 1e12:g} TFLOP/s per GPU")
+          f"{args.peak_flops / 1e12:g} TFLOP/s per GPU; a job asks for that x {TIME_MARGIN:g}, plus its "
+          f"checkpoints and {STARTUP_MIN} min start-up, in whole {TIME_STEP_MIN} min, at most cluster.timeout_min")
     if queue is None:
         print(f"  queue not read ({queue_problem}): runs already queued are not recognised here")
-    width = len(str(len(planned)))
-    to_submit: list[Estimate] = []
-    for index, (job, estimate, lines) in enumerate(zip(planned, estimates, described, strict=True), start=1):
-        state = run_state(job.run.run_dir, job.run.run_name, queue)
+    width = len(str(count))
+    to_submit: list[JobPlan] = []
+    for (number, job, plan), lines in zip(jobs, described, strict=True):
+        state = run_state(plan.run.run_dir, plan.run.run_name, queue)
         if state.status != "done" and not state.active:
-            to_submit.append(estimate)
+            to_submit.append(plan)
         print()
-        print(f"[{index:>{width}}/{len(planned)}] {job.run.run_name}  {_state_words(state)}")
+        print(f"[{number:>{width}}/{count}] {plan.run.label}: {plan.run.run_name}  {_state_words(state)}")
         own = [line for line in lines if line not in shared]
         for label, value in [("overrides", " ".join(job.varying) or "(base only)"),
-                             ("run dir", str(job.run.run_dir)), *own]:
+                             ("run dir", str(plan.run.run_dir)), *own]:
             print(f"    {label:<11} {value}")
+        if args.show_script:
+            script = batch_script(plan.run)
+            print(f"    {'srun':<11} {srun_line(script)}")
+            print(f"    batch script (sbatch runs it as {plan.run.run_dir}/slurm/<job id>_submission.sh):")
+            print("\n".join(f"      {line}".rstrip() for line in script.rstrip().splitlines()))
     print()
-    print(f"total: {len(planned)} jobs, {_gpu_hours(estimates):,.1f} GPU-hours; "
-          f"to submit: {len(to_submit)} jobs, {_gpu_hours(to_submit):,.1f} GPU-hours")
-    too_slow = sum(not checkpoint.fits for checkpoint in checkpoints)
-    if too_slow:
-        print(f"WARNING: {too_slow} of {len(planned)} jobs cannot write a checkpoint within the preemption "
-              f"lead time at {args.fs_bandwidth:g} GB/s (see 'checkpoint' above)")
-    beyond_timeout = sum(checkpoint.outlasts_timeout for checkpoint in checkpoints)
-    if beyond_timeout:
-        print(f"WARNING: {beyond_timeout} of {len(planned)} jobs take longer to write a checkpoint at "
-              f"{args.fs_bandwidth:g} GB/s than cluster.collective_timeout_s (see 'checkpoint' above)")
+    print("\n".join(_plan_table(jobs)))
+    checkpoint_s = sum(plan.checkpoint_s for plan in plans)
+    training = sum(plan.estimate.gpu_hours or 0.0 for plan in plans)
+    print(f"total: {len(jobs)} jobs, {_gpu_hours(plans):,.1f} GPU-hours ({training:,.1f} training + "
+          f"{_gpu_hours(plans) - training:,.1f} writing {sum(plan.checkpoints for plan in plans)} checkpoints, "
+          f"{_seconds(checkpoint_s)} in all), scratch {_bytes(sum(plan.scratch_bytes for plan in plans))} at the "
+          f"peak (keep_checkpoints + 1 each); to submit: {len(to_submit)} jobs, {_gpu_hours(to_submit):,.1f} GPU-hours")
+    for count_of, what in (
+        (sum(not plan.checkpoint.fits for plan in plans), "cannot write a checkpoint within the preemption lead time"),
+        (sum(plan.checkpoint.outlasts_timeout for plan in plans),
+         "take longer to write a checkpoint than cluster.collective_timeout_s"),
+        (sum(plan.too_few_requeues for plan in plans), "need more time-out requeues than cluster.max_requeues"),
+    ):
+        if count_of:
+            print(f"WARNING: {count_of} of {len(jobs)} jobs {what} (see above)")
     print("dry run: nothing submitted")
     return 0
 
@@ -548,14 +635,17 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     submit.add_argument("overrides", nargs="*", help=overrides_help)
     submit.add_argument("--dry-run", action="store_true",
-                        help="print every job, its run directory and GPU-hours, and the total; submit nothing")
+                        help="print every job, its run directory, time limit and costs, and the totals; submit nothing")
+    submit.add_argument("--show-script", action="store_true",
+                        help="with the dry run (implied), print each job's batch script and the srun line that starts "
+                             "its tasks, as submitit would submit them")
+    submit.add_argument("--only", action="append", metavar="N|LABEL",
+                        help="only these jobs: 1-based numbers (as the dry run numbers them) or labels; repeat it or "
+                             "give a comma list (--only 1,3)")
     submit.add_argument("--mfu", type=_fraction, default=DEFAULT_MFU,
-                        help=f"model FLOP utilisation for the estimate (default {DEFAULT_MFU})")
+                        help=f"model FLOP utilisation assumed for the estimate and the time limit (default {DEFAULT_MFU})")
     submit.add_argument("--peak-flops", type=_positive, default=DEFAULT_PEAK_FLOPS,
                         help=f"peak FLOP/s of one GPU (default {DEFAULT_PEAK_FLOPS:.4g}: H100 SXM, dense bf16)")
-    submit.add_argument("--fs-bandwidth", type=_positive, default=DEFAULT_FS_BANDWIDTH / 1e9,
-                        help="GB/s the job's ranks write checkpoints at, all together, for the dry run's "
-                             f"checkpoint time (default {DEFAULT_FS_BANDWIDTH / 1e9:g})")
     submit.set_defaults(handler=_submit)
 
     status = commands.add_parser("status", help="each run: done / running / pending / failed / not submitted")

@@ -1,17 +1,20 @@
 """What a run will cost before it is launched: its GPU-hours (:func:`compute_estimate`, from
-6 x parameters x tokens) and the size and write time of one checkpoint
-(:func:`checkpoint_estimate`, beside the preemption lead time). Both build the model on the
-meta device, so nothing is allocated; ``lowcomm-sweep submit --dry-run`` prints them.
+6 x parameters x tokens), the size and write time of one checkpoint (:func:`checkpoint_estimate`,
+beside the preemption lead time), and the job as a whole (:func:`plan_job`: the time limit it
+asks SLURM for, its checkpoints' time and its scratch space). They build the model on the meta
+device, so nothing is allocated; ``lowcomm-sweep submit --dry-run`` prints them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from lowcomm.comm import Communicator
-from lowcomm.config import RunConfig
-from lowcomm.hardware import FS_BANDWIDTH, H100_BF16_PEAK_FLOPS, TYPICAL_MFU
+from lowcomm.config import RunConfig, TrainSpec
+from lowcomm.hardware import H100_BF16_PEAK_FLOPS, TYPICAL_MFU
 from lowcomm.models import build_model, count_parameters
 
 DEFAULT_PEAK_FLOPS = H100_BF16_PEAK_FLOPS
@@ -61,18 +64,17 @@ def compute_estimate(run: RunConfig, *, mfu: float = DEFAULT_MFU, peak_flops: fl
     return Estimate(parameters, tokens, flops, gpus, gpu_hours, gpu_hours / gpus)
 
 
-DEFAULT_FS_BANDWIDTH = FS_BANDWIDTH
-
-
 @dataclass(frozen=True)
 class CheckpointEstimate:
-    """One checkpoint of a run: bytes written once (model, replicated optimizer state) and by
-    every rank (its own optimizer state), and the time to write them all at ``bandwidth``."""
+    """One checkpoint of a run: bytes written once, by rank 0 (the model, the optimizer state every
+    rank holds alike), and by every rank (its own optimizer state, ``optim_rank<r>.pt``). The ranks
+    write their files at the same time (:class:`lowcomm.train.checkpoint.CheckpointManager`), each at
+    ``rank_bandwidth``: the write takes as long as rank 0, which writes the most."""
 
     replicated_bytes: float
     per_rank_bytes: float
     world_size: int
-    bandwidth: float  # bytes/s
+    rank_bandwidth: float  # bytes/s one rank writes at, all writing at once (cluster.rank_write_MBps)
     lead_time_s: float | None  # the preemption signal's lead (SLURM), None locally
     # how long the other ranks wait at the checkpoint's barrier before they give up
     collective_timeout_s: float | None = None
@@ -82,8 +84,18 @@ class CheckpointEstimate:
         return self.replicated_bytes + self.world_size * self.per_rank_bytes
 
     @property
+    def slowest_rank_bytes(self) -> float:
+        """Rank 0's share: the replicated state and its own."""
+        return self.replicated_bytes + self.per_rank_bytes
+
+    @property
     def write_s(self) -> float:
-        return self.total_bytes / self.bandwidth
+        return self.slowest_rank_bytes / self.rank_bandwidth
+
+    @property
+    def filesystem_rate(self) -> float:
+        """Bytes/s the filesystem takes from all ranks together while they write at their rate."""
+        return self.total_bytes / self.write_s
 
     @property
     def fits(self) -> bool:
@@ -96,27 +108,143 @@ class CheckpointEstimate:
         return self.collective_timeout_s is not None and self.write_s > self.collective_timeout_s
 
     def describe(self) -> str:
-        text = (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once + "
-                f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; "
-                f"{self.write_s:,.0f} s at {self.bandwidth / 1e9:g} GB/s")
+        text = (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once (rank 0) + "
+                f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; {self.write_s:,.0f} s: the "
+                f"ranks write at once at {self.rank_bandwidth / 1e6:,.0f} MB/s each (cluster.rank_write_MBps), "
+                f"rank 0 the most ({self.slowest_rank_bytes / 1e9:,.2f} GB), "
+                f"{self.filesystem_rate / 1e9:,.1f} GB/s into the filesystem")
         if self.lead_time_s is not None:
             text += f" (preemption lead time {self.lead_time_s:g} s)"
         if not self.fits:
             text += ("; WARNING: it does not fit: a preempted job is killed before its checkpoint is "
-                     "written (raise cluster.signal_delay_s, or checkpoint more often to lose less)")
+                     "written (raise cluster.signal_delay_s)")
         if self.outlasts_timeout:
             text += (f"; WARNING: longer than cluster.collective_timeout_s ({self.collective_timeout_s:g} s): the "
                      "ranks waiting at its barrier would give up (raise the timeout)")
         return text
 
 
-def checkpoint_estimate(run: RunConfig, *, bandwidth: float = DEFAULT_FS_BANDWIDTH) -> CheckpointEstimate:
-    """The checkpoint size of ``run`` from the model's shapes and its strategy's state."""
-    if bandwidth <= 0:
-        raise ValueError(f"filesystem bandwidth must be positive, got {bandwidth}")
+def checkpoint_estimate(run: RunConfig, *, rank_bandwidth: float | None = None) -> CheckpointEstimate:
+    """The checkpoint size of ``run`` from the model's shapes and its strategy's state, written at
+    ``rank_bandwidth`` bytes/s per rank (default: the profile's ``cluster.rank_write_MBps``)."""
     cluster = run.cluster
+    rank_bandwidth = cluster.rank_write_MBps * 1e6 if rank_bandwidth is None else rank_bandwidth
+    if rank_bandwidth <= 0:
+        raise ValueError(f"a rank's write bandwidth must be positive, got {rank_bandwidth}")
     strategy = run.strategy_class(run.optimizer, run.compression, Communicator())
     replicated, per_rank = strategy.checkpoint_bytes(build_model(run.model, "meta"), cluster.local_world_size)
     lead = float(cluster.signal_delay_s) if cluster.launcher == "slurm" else None
-    return CheckpointEstimate(replicated, per_rank, run.world_size, bandwidth, lead,
+    return CheckpointEstimate(replicated, per_rank, run.world_size, rank_bandwidth, lead,
                               float(cluster.collective_timeout_s))
+
+
+# A job asks SLURM for its estimated training time times this: the MFU is an assumption (a run at
+# 0.27 of the peak instead of 0.4 still ends within its limit), and evaluation, logging and the
+# data's first read are not in 6 x parameters x tokens.
+TIME_MARGIN = 1.5
+# Minutes every job spends before its first step: the environment, the ranks' rendezvous, the
+# model built and a checkpoint loaded.
+STARTUP_MIN = 10
+# Time limits are asked for in whole quarter hours.
+TIME_STEP_MIN = 15
+
+
+def checkpoint_count(train: TrainSpec) -> int:
+    """Checkpoints a run writes from start to end: every ``checkpoint_every`` steps and at the end."""
+    if not train.checkpoint_every:
+        return 1
+    return math.ceil(train.max_steps / train.checkpoint_every)
+
+
+def _duration(minutes: float) -> str:
+    minutes = math.ceil(minutes)
+    return f"{minutes // 60}:{minutes % 60:02d}:00"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """One run as a SLURM job: what it costs (GPU-hours, checkpoint time, scratch space) and the
+    time limit it asks for, which follows from its size: the training estimate x
+    :data:`TIME_MARGIN`, plus its checkpoints and :data:`STARTUP_MIN`, rounded up to
+    :data:`TIME_STEP_MIN`, at most the profile's ``cluster.timeout_min`` (past it, the job times
+    out, is requeued and resumes from the checkpoint it writes on the warning signal)."""
+
+    run: RunConfig  # cluster.timeout_min: the time limit asked for
+    estimate: Estimate
+    checkpoint: CheckpointEstimate
+    checkpoints: int  # written from start to end
+    needed_min: float | None  # None: no GPUs, no estimate; the profile's limit is asked for
+    cap_min: int  # the profile's cluster.timeout_min
+
+    @property
+    def time_limit_min(self) -> int:
+        return self.run.cluster.timeout_min
+
+    @property
+    def checkpoint_s(self) -> float:
+        return self.checkpoints * self.checkpoint.write_s
+
+    @property
+    def gpu_hours(self) -> float | None:
+        """Training and writing checkpoints (the job holds its GPUs while it writes)."""
+        if self.estimate.gpu_hours is None:
+            return None
+        return self.estimate.gpu_hours + self.estimate.gpus * self.checkpoint_s / 3600
+
+    @property
+    def scratch_bytes(self) -> float:
+        """Checkpoints on disk at the peak: ``keep_checkpoints``, and one more while the next is
+        written (the oldest is deleted after it)."""
+        return min(self.checkpoints, self.run.train.keep_checkpoints + 1) * self.checkpoint.total_bytes
+
+    @property
+    def capped(self) -> bool:
+        return self.needed_min is not None and self.needed_min > self.cap_min
+
+    @property
+    def requeues(self) -> int:
+        """Time-outs (each requeued) a job needs to end when its limit is capped."""
+        return math.ceil(self.needed_min / self.cap_min) - 1 if self.capped else 0
+
+    @property
+    def too_few_requeues(self) -> bool:
+        return self.requeues > self.run.cluster.max_requeues
+
+    def describe_time(self) -> str:
+        """The time limit asked for, and why."""
+        cluster = self.run.cluster
+        if self.needed_min is None:
+            return f"{_duration(self.time_limit_min)} (cluster.timeout_min: no GPUs, no time estimate)"
+        why = (f"{self.estimate.wall_hours:,.2f} h of training x {TIME_MARGIN:g} + {self.checkpoints} checkpoints "
+               f"x {self.checkpoint.write_s:,.0f} s + {STARTUP_MIN} min start-up = {self.needed_min / 60:,.2f} h")
+        if not self.capped:
+            return f"{_duration(self.time_limit_min)} on {cluster.nodes} nodes ({why}, rounded up)"
+        text = (f"{_duration(self.time_limit_min)} on {cluster.nodes} nodes: needs {self.needed_min / 60:,.1f} h "
+                f"({why}): capped at {_duration(self.cap_min)} (cluster.timeout_min); it resumes from its "
+                f"checkpoint across {self.requeues} time-out requeue{'s' if self.requeues > 1 else ''}")
+        if self.too_few_requeues:
+            text += (f"; WARNING: cluster.max_requeues is {cluster.max_requeues}: raise it, or submit again when "
+                     "the job stops")
+        return text
+
+
+def with_time_limit(run: RunConfig, minutes: int) -> RunConfig:
+    """``run`` asking SLURM for ``minutes`` (its config, written to the run directory, says so)."""
+    cluster = dataclasses.replace(run.cluster, timeout_min=minutes)
+    return dataclasses.replace(run, cluster=cluster, raw={**run.raw, "cluster": {**run.raw["cluster"],
+                                                                                  "timeout_min": minutes}})
+
+
+def plan_job(run: RunConfig, *, mfu: float = DEFAULT_MFU, peak_flops: float = DEFAULT_PEAK_FLOPS) -> JobPlan:
+    """``run`` as a job: its estimates, and (SLURM with GPUs) the time limit its size needs."""
+    estimate = compute_estimate(run, mfu=mfu, peak_flops=peak_flops)
+    checkpoint = checkpoint_estimate(run)
+    count = checkpoint_count(run.train)
+    cap = run.cluster.timeout_min
+    if run.cluster.launcher != "slurm" or estimate.wall_hours is None:
+        return JobPlan(run, estimate, checkpoint, count, None, cap)
+    needed = estimate.wall_hours * 60 * TIME_MARGIN + count * checkpoint.write_s / 60 + STARTUP_MIN
+    # whole quarter hours, and longer than the warning signal's lead (SLURM refuses otherwise)
+    floor = run.cluster.signal_delay_s / 60
+    limit = TIME_STEP_MIN * math.ceil(max(needed, floor + 1) / TIME_STEP_MIN)
+    return JobPlan(with_time_limit(run, min(limit, cap)), estimate, checkpoint, count, needed, cap)

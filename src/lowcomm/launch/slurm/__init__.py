@@ -58,8 +58,10 @@ from lowcomm.launch.slurm.queue import (
 from lowcomm.launch.slurm.submit import (
     ENVIRONMENT_DEFAULTS,
     Submission,
+    batch_script,
     check_profile,
     make_executor,
+    srun_line,
     submit_run,
     submit_training,
     submitit_parameters,
@@ -67,7 +69,7 @@ from lowcomm.launch.slurm.submit import (
 
 __all__ = [
     "ENVIRONMENT_DEFAULTS", "PENDING_STATES", "RUNNING_STATES", "PreemptionFlag", "Queue", "QueuedJob",
-    "RunState", "SlurmUnavailable", "Submission", "TrainingJob", "check_profile", "last_logged",
+    "RunState", "SlurmUnavailable", "Submission", "TrainingJob", "batch_script", "check_profile", "last_logged",
     "last_submission", "make_executor", "run_state", "setup_distributed_from_slurm", "slurm_profile",
-    "submit_run", "submit_training", "submitit_parameters",
+    "srun_line", "submit_run", "submit_training", "submitit_parameters",
 ]

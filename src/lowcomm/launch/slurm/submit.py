@@ -14,6 +14,7 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from lowcomm.config import ConfigError, RunConfig, slurm_profile
+from lowcomm.launch.estimate import plan_job
 from lowcomm.launch.local import prepare_run_dir
 from lowcomm.launch.slurm.job import TrainingJob
 from lowcomm.launch.slurm.queue import Queue, RunState, SlurmUnavailable, run_state
@@ -94,6 +95,36 @@ def make_executor(
     return executor
 
 
+class _ScriptRenderer(submitit.SlurmExecutor):
+    """submitit's SLURM executor, used only to render a job's batch file: it needs no ``srun`` on
+    this machine (a laptop shows what a login node would submit) and never submits."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 1
+
+
+def batch_script(run: RunConfig, *, environ: Mapping[str, str] | None = None) -> str:
+    """The batch file ``sbatch`` would get for ``run`` from :func:`submit_training` (its
+    ``#SBATCH`` lines, the setup and the ``srun`` line that starts every task), rendered by
+    submitit's own code from the parameters :func:`make_executor` gives it. Writes nothing."""
+    check_profile(run)
+    run = _with_absolute_run_root(run)
+    parameters = submitit_parameters(run.cluster, job_name=run.run_name, environ=environ)
+    executor = _ScriptRenderer(RunDir(run.run_dir).slurm_dir, max_num_timeout=run.cluster.max_requeues)
+    # what AutoExecutor does with them: the generic names in SLURM's words (timeout_min -> time,
+    # mem_gb -> mem, ...), the slurm_ ones as they are
+    generic = {key: value for key, value in parameters.items() if not key.startswith("slurm_")}
+    specific = {key.removeprefix("slurm_"): value for key, value in parameters.items() if key.startswith("slurm_")}
+    executor.update_parameters(**executor._convert_parameters(generic), **specific)  # noqa: SLF001
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")  # noqa: SLF001
+
+
+def srun_line(script: str) -> str:
+    """The line of a batch script that starts the tasks."""
+    return next(line for line in script.splitlines() if line.startswith("srun "))
+
+
 @dataclasses.dataclass(frozen=True)
 class Submission:
     """What :func:`submit_training` did with a run: ``submitted`` it, or left it (``skipped``)."""
@@ -167,10 +198,14 @@ def submit_training(
 
 
 def submit_run(run: RunConfig) -> Path:
-    """``lowcomm-train`` with a SLURM cluster profile: submit ``run``, say where it went, return
-    its run directory (without waiting for the job)."""
-    submission = submit_training(run)
+    """``lowcomm-train`` with a SLURM cluster profile: submit ``run`` asking for the time its size
+    needs (:func:`~lowcomm.launch.estimate.plan_job`), say where it went and what it asked for,
+    return its run directory (without waiting for the job)."""
+    plan = plan_job(run)
+    submission = submit_training(plan.run)
     print(f"[lowcomm] {run.run_name}: {submission.describe()}", flush=True)
+    if submission.action == "submitted":
+        print(f"[lowcomm] time limit {plan.describe_time()}", flush=True)
     if submission.action == "submitted":
         print(f"[lowcomm] watch it: squeue --name={run.run_name}  (metrics: {RunDir(submission.run_dir).metrics})",
               flush=True)
