@@ -37,6 +37,10 @@ def test_the_readme_commands_run_as_written():
     result = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"README commands failed:\n{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "dry run: nothing submitted" in result.stdout
+    # the dry run's table and totals, and --only 11 --show-script: one job's batch script and srun line
+    assert "total: 11 jobs, " in result.stdout and " at the peak (keep_checkpoints + 1 each)" in result.stdout
+    assert "sweep table1_1b: 11 jobs, 1 selected (--only)" in result.stdout
+    assert "      #SBATCH --nodes=8" in result.stdout and "    srun        srun --unbuffered" in result.stdout
     assert "DeMo s=64 k=8" in result.stdout  # the comm table's rows
     # lowcomm-eval on the tiny run: the label and chance row, then the rerun's reuse, then --force
     assert "AdamW-DDP" in result.stdout and "chance: the accuracy of a uniform guess" in result.stdout
