@@ -251,7 +251,7 @@ def test_a_data_path_with_an_unset_variable_is_named_too(monkeypatch):
                  check_data_files=False)
 
 
-def test_a_set_environment_variable_resolves_into_the_path(monkeypatch, tmp_path):
+def test_a_set_environment_variable_resolves_into_the_path(monkeypatch):
     monkeypatch.setenv("USER", "alice")
     run = _run("optimizer=demo", run_root="/scratch/${oc.env:USER}/lowcomm")
     assert str(run.run_dir).startswith("/scratch/alice/lowcomm/")
