@@ -206,7 +206,6 @@ def submit_run(run: RunConfig) -> Path:
     print(f"[lowcomm] {run.run_name}: {submission.describe()}", flush=True)
     if submission.action == "submitted":
         print(f"[lowcomm] time limit {plan.describe_time()}", flush=True)
-    if submission.action == "submitted":
         print(f"[lowcomm] watch it: squeue --name={run.run_name}  (metrics: {RunDir(submission.run_dir).metrics})",
               flush=True)
     return submission.run_dir
