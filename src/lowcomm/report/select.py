@@ -3,6 +3,8 @@
 A sweep names its runs exactly: each job's config is composed and validated as at launch, and
 its deterministic run directory (``<run_root>/<experiment_name>/<run_name>``) is looked up, so a
 job that has not run (or not started writing) is reported as missing rather than silently absent.
+The data files are not looked at (a run's name does not depend on them): run directories copied
+off a cluster build their tables and figures on a laptop that has none of the training data.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def sweep_run_dirs(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> l
     """The run directory of every job of ``sweeps/<sweep>.yaml`` (or a sweep file's path), in the
     sweep's order, with ``overrides`` added to every job (e.g. ``run_root=/scratch/runs``).
 
-    Raises :class:`lowcomm.config.ConfigError` when a job's config is invalid."""
+    Raises :class:`lowcomm.config.ConfigError` when a job's config is invalid; its data files
+    need not exist here."""
     # plan_sweep keeps one job per run directory (two jobs with the same config share one)
-    return [planned.run.run_dir for planned in plan_sweep(load_sweep(sweep), overrides)]
+    return [planned.run.run_dir for planned in plan_sweep(load_sweep(sweep), overrides, check_data_files=False)]
 
 
 def select_by_sweep(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> Selection:
