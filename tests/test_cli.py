@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -69,3 +70,27 @@ def test_train_cfg_prints_the_config_as_it_would_run_with_overrides_on_both_side
     out = capsys.readouterr().out
     assert "max_steps: 5" in out and "warmup_steps: 0" in out and "name: demo" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def _help_of(entry: str, *args: str) -> str:
+    module, function = entry.split(":")
+    result = subprocess.run([sys.executable, "-c", f"import sys; from {module} import {function} as m; m(sys.argv[1:])",
+                             *args, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("command", [*([script] for script in sorted(SCRIPTS)),
+                                     *(["lowcomm-sweep", sub] for sub in ("run", "submit", "status", "list"))],
+                         ids=" ".join)
+def test_help_is_plain_text_not_restructuredtext(command):
+    """Help texts built from docstrings showed ``lowcomm-comm-table`` and :mod:`...` (issue 26)."""
+    text = _help_of(SCRIPTS[command[0]], *command[1:])
+    assert not re.search(r"``|:(mod|func|class|data|attr|meth):`", text), text
+
+
+def test_plain_keeps_what_the_markup_named():
+    from lowcomm.cli.helptext import plain
+
+    assert plain("``lowcomm-x --a`` see :mod:`lowcomm.report` and :func:`~lowcomm.launch.plan_job`") == (
+        "lowcomm-x --a see lowcomm.report and plan_job")

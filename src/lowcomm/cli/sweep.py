@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lowcomm.cli.helptext import plain
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS as DEFAULT_PEAK_FLOPS
 from lowcomm.hardware import TYPICAL_MFU as DEFAULT_MFU
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt, stopped_between_runs
@@ -620,7 +621,8 @@ def sweep_file_format() -> str:
     lines = doc.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("    ")), len(lines))
     end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
-    return "\n".join(["a sweep file (YAML; every key optional, sweeps/*.yaml are examples):", *lines[start:end]])
+    return plain("\n".join(["a sweep file (YAML; every key optional, sweeps/*.yaml are examples):",
+                             *lines[start:end]]))
 
 
 def build_parser() -> argparse.ArgumentParser:
