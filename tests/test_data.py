@@ -128,6 +128,24 @@ def test_prepare_data_tokenizes_text_and_jsonl_with_the_olmo_tokenizer(tmp_path,
     assert prepare_main([str(tmp_path / "nothing*.txt"), "--output", str(out)]) == 2
 
 
+def test_prepare_data_reads_markdown_as_text_and_names_every_other_file_before_reading_any(tmp_path, capsys):
+    (tmp_path / "notes.md").write_text("# Notes\n\nbytes")
+    (tmp_path / "more.txt").write_text("more")
+    out = tmp_path / "prepared"
+    assert prepare_main([str(tmp_path / "*.md"), str(tmp_path / "*.txt"), "--tokenizer", "bytes", "--output", str(out),
+                         "--val-fraction", "0.5"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_documents"] + meta["val_documents"] == 2
+    assert meta["train_tokens"] + meta["val_tokens"] == len("# Notes\n\nbytes") + len("more") + 2  # bytes + eos
+    (tmp_path / "code.py").write_text("x = 1")
+    (tmp_path / "table.csv").write_text("a,b")
+    capsys.readouterr()
+    assert prepare_main([str(tmp_path / "*"), "--output", str(tmp_path / "other")]) == 2
+    error = capsys.readouterr().err
+    assert f"{tmp_path / 'code.py'}" in error and f"{tmp_path / 'table.csv'}" in error and "nothing was written" in error
+    assert "tokenizing" not in error and not (tmp_path / "other").exists()
+
+
 def test_a_resume_on_changed_data_stops_naming_the_file(tmp_path):
     from lowcomm.data.fingerprint import check_unchanged
 

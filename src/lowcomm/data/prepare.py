@@ -2,7 +2,8 @@
 
 ``lowcomm-prepare-data notes/*.txt corpus.jsonl --output data/mycorpus`` writes
 ``train.bin``, ``val.bin`` and ``meta.json`` (uint16 when the vocabulary fits, else uint32).
-A ``.txt`` file is one document; each line of a ``.jsonl`` file is one, its ``text`` field.
+A text file (``.txt``, ``.md``, ``.rst``) is one document; each line of a ``.jsonl`` file is
+one, its ``text`` field.
 Documents are held out for validation deterministically (by a hash of their position).
 """
 
@@ -23,6 +24,14 @@ from lowcomm.data.memmap import DataError, expand_paths
 from lowcomm.data.synthetic import mount_point
 from lowcomm.models.tokenizer import load_tokenizer
 
+# Files read whole as one document each.
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+
+
+def unsupported(paths: list[Path]) -> list[Path]:
+    """The files that are neither text nor JSON lines: named together, before any is read."""
+    return [path for path in paths if path.suffix not in (*TEXT_SUFFIXES, ".jsonl")]
+
 
 def iter_documents(paths: list[Path]) -> Iterator[str]:
     for path in paths:
@@ -35,16 +44,18 @@ def iter_documents(paths: list[Path]) -> Iterator[str]:
                         yield json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError) as exc:
                         raise DataError(f"{path}:{line_no}: not a JSON object with a 'text' field ({exc})") from exc
-        elif path.suffix == ".txt":
-            yield path.read_text(encoding="utf-8")
         else:
-            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .txt or .jsonl")
+            yield path.read_text(encoding="utf-8")
 
 
 def prepare(inputs: list[str], output: Path, tokenizer_name: str,
             val_fraction: float = 0.01, progress: bool = True) -> dict:
     """Tokenize ``inputs`` into ``output``/{train,val}.bin atomically; return the metadata."""
     paths = expand_paths(inputs, "inputs")
+    if others := unsupported(paths):
+        listed = ", ".join(str(path) for path in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise DataError(f"inputs: {listed}: not a text ({', '.join(TEXT_SUFFIXES)}, one document each) or .jsonl "
+                        "file (one document per line, its 'text' field); nothing was written")
     tokenizer = load_tokenizer(tokenizer_name)
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
