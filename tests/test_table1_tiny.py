@@ -13,7 +13,7 @@ from lowcomm.cli.sweep import main as sweep_main
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import final_jobs, load_sweep, tuning_jobs
 from lowcomm.report.runs import RunRecord
-from lowcomm.report.seeds import RULE, Group, seed_rows, seed_table, verdict
+from lowcomm.report.seeds import RULE, Group, seed_groups, seed_rows, seed_table, verdict
 from runs import micro_sweep_overrides
 
 FLOOR = 2.0
@@ -99,6 +99,31 @@ def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
     assert demo["verdict"] == "worse" and math.isnan(_group("one", [0.5]).std)
     with pytest.raises(ValueError, match="no group labelled 'AdamW-DDP'"):
         seed_rows(groups[:1])
+
+
+def test_runs_that_differ_in_their_seed_only_are_one_group_however_the_sweep_wrote_the_seeds():
+    """A grid over seed in a sweep file made one table row per seed, each "1 seed: no verdict"
+    (issue 26's closing demo); a sweep's seeds: key grouped them."""
+    def run(name: str, *overrides: str) -> RunRecord:
+        config = OmegaConf.to_container(compose(list(overrides)), resolve=True)
+        return RunRecord(path=name, config=config, metrics=[], summary={"final_val_loss": 3.0})
+
+    runs = [run("a0", "optimizer=adamw_ddp", "seed=0"), run("d0", "optimizer=demo", "seed=0"),
+            run("a1", "optimizer=adamw_ddp", "seed=1"), run("d1", "optimizer=demo", "seed=1"),
+            run("k2", "optimizer=demo", "optimizer.compression_topk=2"),
+            run("w2", "optimizer=adamw_ddp", "cluster.workers=2")]
+    groups = seed_groups(runs)
+    assert [[str(r.path) for r in g.runs] for g in groups] == [["a0", "a1"], ["d0", "d1"], ["k2"], ["w2"]]
+    assert [g.label for g in groups][:2] == ["AdamW-DDP", "DeMo s=64 k=32"]
+
+
+def test_without_a_bayes_floor_the_table_says_final_loss_not_excess():
+    adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
+    group = _group("AdamW-DDP", [0.8, 0.82], config=adamw_config)
+    assert "| excess loss (mean ± std) |" in seed_table(seed_rows([group]))
+    for record in group.runs:
+        del record.summary["bayes_floor"]
+    assert "| final val loss (mean ± std) |" in seed_table(seed_rows([group]))
 
 
 def test_the_table_states_the_budget_in_tokens_per_parameter():

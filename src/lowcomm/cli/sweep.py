@@ -562,7 +562,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lowcomm.config.sweep import choose_baseline, final_jobs, load_sweep
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
-    from lowcomm.report.seeds import Group, seed_rows, seed_table
+    from lowcomm.report.seeds import seed_groups, seed_rows, seed_table
     from lowcomm.report.tables import write_csv
 
     try:
@@ -586,8 +586,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     final = _run_jobs(parser, sweep, final_jobs(sweep, chosen), "final", args.overrides, started)
     if final is None:
         return 1
-    groups = [Group(entries[0][1].label,
-                    [load_run(run.run_dir) for _job, run in entries]) for _point, entries in sorted(final.items())]
+    # runs that differ in their seed only are one group, from the sweep's seeds: or a grid over seed
+    groups = seed_groups([load_run(run.run_dir) for _point, entries in sorted(final.items()) for _job, run in entries])
     rows = seed_rows(groups, baseline)
     text = seed_table(rows)
     if tuned is not None:
@@ -597,7 +597,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     write_csv(rows, out / "summary.csv")
     figures = plot_seed_bands([(g.label, g.runs) for g in groups], out, formats=("png",),
                               title=f"{sweep.name}: validation loss over seeds")
-    print(f"\n[{sweep.name}] {len(rows)} runs x {len(sweep.seeds or [0])} seeds in "
+    counts = sorted({len(group.runs) for group in groups})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    print(f"\n[{sweep.name}] {len(groups)} groups of {seeds} seeds, {sum(len(g.runs) for g in groups)} runs, in "
           f"{(time.perf_counter() - started) / 60:.1f} min\n\n{text}\n")
     print(f"table:   {out / 'summary.md'}\ntable:   {out / 'summary.csv'}")
     for path in figures:

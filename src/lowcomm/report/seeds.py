@@ -18,18 +18,21 @@ with fewer the row says so and gives none.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lowcomm.config.naming import what_is_trained
 from lowcomm.config.sweep import best_value
 from lowcomm.report.comm_table import config_traffic_function
 from lowcomm.report.runs import RunRecord
 
 RULE = ("Verdict rule (fixed before the runs): comparable if |gap| <= 2 x pooled seed std and |gap| <= 5% of "
         "the baseline's mean excess loss; otherwise better or worse by the gap's sign. gap = mean excess - "
-        "the baseline's mean excess; excess = final validation loss - Bayes floor; pooled std = "
+        "the baseline's mean excess; excess = final validation loss - Bayes floor (the loss itself on data with "
+        "no known floor); pooled std = "
         "sqrt((s^2 + s_base^2) / 2), s the sample standard deviation over seeds; no verdict with fewer than "
         "2 seeds.")
 REFERENCE_WORLD = 64  # the paper's 8 nodes x 8 GPUs
@@ -74,6 +77,17 @@ class Group:
         return config_traffic_function(self.runs[0].config)(world_size)[1] / 1e6
 
 
+def seed_groups(runs: list[RunRecord]) -> list[Group]:
+    """``runs`` as groups of runs that differ in their seed only, in the order first seen, each
+    under its first run's label: a sweep's ``seeds:`` and a grid over ``seed`` group alike."""
+    groups: dict[str, Group] = {}
+    for run in runs:
+        trains = {key: value for key, value in what_is_trained(run.config).items() if key != "seed"}
+        key = json.dumps({**trains, "cluster": run.config.get("cluster")}, sort_keys=True, default=str)
+        groups.setdefault(key, Group(run.label, [])).runs.append(run)
+    return list(groups.values())
+
+
 def verdict(group: Group, baseline: Group) -> str:
     """The stated rule (module doc); "1 seed: no verdict" where either side has fewer than
     :data:`MIN_SEEDS` seeds."""
@@ -102,6 +116,7 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
             "tokens": (group.runs[0].summary or {}).get("tokens"),
             "tokens_per_parameter": group.tokens_per_parameter,
             "excess_mean": group.mean, "excess_std": group.std, "baseline": baseline.label,
+            "bayes_floor": all(run.bayes_floor is not None for run in group.runs),
             "gap_to_baseline": group.mean - baseline.mean,
             "payload_MB_per_step": group.payload_mb, f"tx_MB_per_rank_at_W{REFERENCE_WORLD}": tx,
             "payload_ratio_to_baseline": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
@@ -114,8 +129,10 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
 def seed_table(rows: list[dict]) -> str:
     """Markdown: the rule first, then the budget (tokens per parameter), then the table."""
     base = rows[0]["baseline"] if rows else "the baseline"
+    # over the Bayes floor where the data has one (the synthetic corpus), else the loss itself
+    loss = "excess loss" if all(row.get("bayes_floor", True) for row in rows) else "final val loss"
     lines = [RULE, "", budget_line(rows), "",
-             f"| run | lr | seeds | excess loss (mean ± std) | gap to {base} | payload MB/step | "
+             f"| run | lr | seeds | {loss} (mean ± std) | gap to {base} | payload MB/step | "
              f"tx MB/rank at W={REFERENCE_WORLD} | fewer bytes than {base} (payload / tx at W={REFERENCE_WORLD}) "
              "| verdict |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
