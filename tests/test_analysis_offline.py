@@ -55,3 +55,23 @@ def test_a_copied_sweep_builds_its_table_and_figures_without_its_data(tmp_path, 
     assert loss_vs_mb_main(["--sweep", str(sweep), "--run-root", str(laptop_root), "--out", str(out),
                             "--formats", "png"]) == 0
     assert (out / "table1.md").is_file() and list(out.glob("*.png"))
+
+    # The sweep file as written for the cluster (no data, the full budget), without the overrides
+    # it ran with here: each job's run is the one whose recorded config sets what the job sets.
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(yaml.safe_dump({"base": ["experiment=paper_ablation_300m"], "points": JOBS}))
+    found = select_by_sweep(str(cluster_file), [f"run_root={laptop_root}", "experiment_name=default"])
+    assert found.missing == [] and [run.path for run in found.runs] == [run.path for run in selection.runs]
+    (header, *listed) = found.found_lines()
+    assert header.startswith("2 jobs found by their runs' recorded configs") and "data.paths" in header
+    assert listed == [f"  job {number} ({run.label}: {' '.join(job)}): {run.path}"
+                      for number, (job, run) in enumerate(zip(JOBS, found.runs, strict=True), start=1)]
+    assert select_by_sweep(str(sweep), [f"run_root={laptop_root}"]).found_by_config == []  # exact: nothing to say
+
+    # two runs that set what job 2 sets: neither is guessed
+    demo = next(run.path for run in found.runs if run.optimizer == "demo")
+    shutil.copytree(demo, demo.with_name(demo.name + "-copy"))
+    ambiguous = select_by_sweep(str(cluster_file), [f"run_root={laptop_root}", "experiment_name=default"])
+    assert [run.optimizer for run in ambiguous.runs] == ["adamw_ddp"]
+    (missing,) = ambiguous.missing
+    assert "2 runs in" in missing and "job 2 (DeMo s=64 k=4: optimizer=demo optimizer.compression_topk=4)" in missing

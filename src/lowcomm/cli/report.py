@@ -54,6 +54,8 @@ def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
     else:
         selection = select_by_globs(args.runs)
         default_out = repo_root() / "results" / "report"
+    for line in selection.found_lines():
+        print(line, file=sys.stderr)
     for missing in selection.missing:
         print(f"missing: {missing}", file=sys.stderr)
     if not selection.runs:

@@ -159,6 +159,10 @@ def _state_words(state: RunState) -> str:
     return "would submit"
 
 
+def _jobs(count: int) -> str:
+    return f"{count} job{'s' if count != 1 else ''}"
+
+
 def _gpu_hours(plans: Sequence[JobPlan]) -> float:
     return sum(plan.gpu_hours or 0.0 for plan in plans)
 
@@ -345,10 +349,10 @@ def _dry_run(sweep: Sweep, count: int, jobs: list[tuple[int, PlannedRun, JobPlan
     print("\n".join(_plan_table(jobs)))
     checkpoint_s = sum(plan.checkpoint_s for plan in plans)
     training = sum(plan.estimate.gpu_hours or 0.0 for plan in plans)
-    print(f"total: {len(jobs)} jobs, {_gpu_hours(plans):,.1f} GPU-hours ({training:,.1f} training + "
+    print(f"total: {_jobs(len(jobs))}, {_gpu_hours(plans):,.1f} GPU-hours ({training:,.1f} training + "
           f"{_gpu_hours(plans) - training:,.1f} writing {sum(plan.checkpoints for plan in plans)} checkpoints, "
           f"{_seconds(checkpoint_s)} in all), scratch {_bytes(sum(plan.scratch_bytes for plan in plans))} at the "
-          f"peak (keep_checkpoints + 1 each); to submit: {len(to_submit)} jobs, {_gpu_hours(to_submit):,.1f} GPU-hours")
+          f"peak (keep_checkpoints + 1 each); to submit: {_jobs(len(to_submit))}, {_gpu_hours(to_submit):,.1f} GPU-hours")
     for count_of, what in (
         (sum(not plan.checkpoint.fits for plan in plans), "cannot write a checkpoint within the preemption lead time"),
         (sum(plan.checkpoint.outlasts_timeout for plan in plans),

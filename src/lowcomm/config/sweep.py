@@ -433,8 +433,10 @@ class PlannedRun:
     run: RunConfig
 
 
-def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_files: bool = True) -> list[PlannedRun]:
-    """Compose and validate every job of ``sweep`` with ``extra_overrides`` appended.
+def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_files: bool = True,
+               require_data: bool = True) -> list[PlannedRun]:
+    """Compose and validate every job of ``sweep`` with ``extra_overrides`` appended (the data's
+    files and paths as :func:`~lowcomm.config.validation.validate` says).
 
     Raises :class:`ConfigError` listing the problems of every invalid job (each message prefixed
     by the job's number and overrides), so nothing is started unless all jobs are valid. Jobs
@@ -448,7 +450,7 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
         varying = [o for o in job[len(sweep.base):] if not o.startswith("label=")]  # what it trains differently
         overrides = [*job, *extra_overrides]
         try:
-            run = validate(compose(overrides), check_data_files=check_data_files)
+            run = validate(compose(overrides), check_data_files=check_data_files, require_data=require_data)
         except ConfigError as exc:
             errors += [(number, varying, error) for error in exc.errors]
             continue

@@ -152,11 +152,13 @@ def path_errors(raw: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunConfig:
+def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_data: bool = True) -> RunConfig:
     """Check a composed config completely; raise ConfigError with every problem found.
 
     ``check_data_files=False`` leaves out what needs the data files (they exist, their size
-    and dtype agree): a dry run on a laptop plans a cluster run before its data is staged."""
+    and dtype agree): a dry run on a laptop plans a cluster run before its data is staged.
+    ``require_data=False`` (with it) also accepts no data paths at all: analysis names a sweep's
+    jobs to find their runs, and never reads their data."""
     if isinstance(cfg, DictConfig):
         try:
             raw = OmegaConf.to_container(cfg, resolve=True)
@@ -203,7 +205,8 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True) -> RunCon
     if optimizer is not None and cluster is not None and cluster.world_size >= 1:
         errors += STRATEGIES[opt_name].check_layout(optimizer, cluster.world_size, cluster.local_world_size)
     if data is not None and train is not None:
-        _validate_data(data, model, train, errors, check_files=check_data_files)
+        _validate_data(data, model, train, errors, check_files=check_data_files,
+                       require_paths=require_data or check_data_files)
 
     experiment = str(raw.get("experiment_name") or "default")
     if errors:
@@ -308,7 +311,7 @@ def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterS
 
 
 def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, errors: list[str],
-                   check_files: bool = True):
+                   check_files: bool = True, require_paths: bool = True):
     _one_of(data.name, ("synthetic", "memmap", "text"), "data.name", errors)
     if data.name == "synthetic":
         if model is not None and model.tokenizer != "bytes":
@@ -321,7 +324,8 @@ def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, er
         _one_of(data.dtype, tuple(DTYPES), "data.dtype", errors)
         for key in ("paths", "val_paths"):
             if not getattr(data, key):
-                errors.append(f"data.{key} is empty: give at least one file path or glob")
+                if require_paths:
+                    errors.append(f"data.{key} is empty: give at least one file path or glob")
                 continue
             if not check_files:
                 continue
@@ -335,7 +339,8 @@ def _validate_data(data: DataSpec, model: ModelSpec | None, train: TrainSpec, er
         return
     if data.name == "text":
         if not data.paths:
-            errors.append("data.paths is empty: give at least one file path or glob")
+            if require_paths:
+                errors.append("data.paths is empty: give at least one file path or glob")
         elif check_files:
             try:
                 expand_paths(data.paths, "data.paths")
