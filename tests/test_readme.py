@@ -42,6 +42,13 @@ def test_the_readme_commands_run_as_written():
     assert "sweep table1_1b: 11 jobs, 1 selected (--only)" in result.stdout
     assert "      #SBATCH --nodes=8" in result.stdout and "    srun        srun --unbuffered" in result.stdout
     assert "DeMo s=64 k=8" in result.stdout  # the comm table's rows
+    # step 7, a sweep of one's own: run here (seeds grouped), planned for the cluster, analysed from
+    # a copy of its run directories without the data or the overrides it ran with
+    assert "[my_sweep] 3 groups of 1 to 2 seeds, 5 runs" in result.stdout
+    assert "| 1 seed: no verdict |" in result.stdout and "| baseline |" in result.stdout
+    assert "total: 5 jobs, " in result.stdout and "sweep my_sweep: 5 jobs, 1 selected (--only)" in result.stdout
+    assert "5 jobs found by their runs' recorded configs" in result.stderr
+    assert "| tiny | DeMo s=64 k=2 |" in result.stdout and "loss_vs_mb.png" in result.stdout
     # lowcomm-eval on the tiny run: the label and chance row, then the rerun's reuse, then --force
     assert "AdamW-DDP" in result.stdout and "chance: the accuracy of a uniform guess" in result.stdout
     assert "2 to compute, 0 reused" in result.stderr and "0 to compute, 2 reused" in result.stderr
