@@ -164,29 +164,78 @@ def test_pareto_runs_of_hand_made_runs_leave_out_what_cannot_be_placed():
         loss_mb_points(runs, mb="rx")
 
 
-def test_a_run_with_two_links_is_placed_at_its_inter_node_bytes(tmp_path):
+def _flexdemo_and_ddp() -> tuple[RunRecord, RunRecord]:
     # FlexDeMo's summary: 1.2056 MB/step in all (FSDP's intra-node gathers), 0.0096 between nodes
     config = {"model": {"name": "tiny"}, "optimizer": {"name": "flexdemo"}, "compression": {"name": "none"},
               "label": "flexdemo"}
     metrics = [{"step": 1, "comm/intra_payload_bytes": 1_196_000, "comm/inter_payload_bytes": 9_600}]
     flex = RunRecord(Path("flexdemo"), config, metrics, {
         "payload_MB_per_step": 1.2056, "inter_node_payload_MB_per_step": 0.0096, "final_val_loss": 2.9})
-    ddp = record("ddp", "adamw_ddp", 0.25, 2.95)
-    points, _ = loss_mb_points([flex, ddp])
-    placed = {p.run.name: (p.mb_per_step, p.inter_node) for p in points}
-    assert placed == {"flexdemo": (0.0096, True), "ddp": (0.25, False)}
-    # with the ring's tx on the axis the totals are kept (tx has no per-link summary)
-    assert not any(p.inter_node for p in loss_mb_points([flex], mb="tx")[0])
+    return flex, record("ddp", "adamw_ddp", 0.25, 2.95)
+
+
+def drawn(monkeypatch, plot, *args, **kwargs):
+    """The figure a plot function drew (captured as it is closed), and what it returned."""
     import matplotlib.pyplot as plt
 
-    captured = {}
+    figures = []
     original = plt.close
-    plt.close = lambda fig: captured.setdefault("labels", [t.get_text() for t in fig.axes[0].get_legend().get_texts()])
-    try:
-        plot_loss_vs_mb([flex, ddp], tmp_path, formats=("png",))
-    finally:
-        plt.close = original
-    assert "FlexDeMo (inter-node MB)" in captured["labels"] and "AdamW-DDP" in captured["labels"]
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), None)[1])
+    result = plot(*args, **kwargs)
+    monkeypatch.setattr(plt, "close", original)
+    return figures[-1], result
+
+
+def test_a_run_with_two_links_is_placed_at_all_its_bytes_and_marks_its_inter_node_part(tmp_path, monkeypatch):
+    """Issue 26: FlexDeMo sat at its inter-node bytes (0.0096) in loss_vs_mb.png and on the front
+    because of it, at its total (1.206) in Table 1 and the cumulative-MB curves."""
+    flex, ddp = _flexdemo_and_ddp()
+    points, _ = loss_mb_points([flex, ddp])
+    placed = {p.run.name: (p.mb_per_step, p.inter_node_mb) for p in points}
+    assert placed == {"flexdemo": (1.2056, 0.0096), "ddp": (0.25, None)}
+    # the front is over all bytes: FlexDeMo (2.9 at 1.2 MB) and AdamW-DDP (2.95 at 0.25 MB) both on it
+    assert [p.run.name for p in pareto_runs(points)] == ["ddp", "flexdemo"]
+    assert all(p.inter_node_mb is None for p in loss_mb_points([flex], mb="tx")[0])  # tx has no per-link split
+
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, [flex, ddp], tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "FlexDeMo: all bytes (filled), inter-node part (hollow)" in labels and "AdamW-DDP" in labels
+    assert ax.get_xlabel() == "Tx MB/step per worker (payload; 1 MB = 1e6 bytes)"
+    hollow = [c for c in ax.collections if c.get_offsets().shape[0] == 1 and not c.get_facecolor().size]
+    assert [tuple(c.get_offsets()[0]) for c in hollow] == [(0.0096, 2.9)]
+    # the dotted link between the two points of the one run
+    assert [tuple(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == ":"] == [(0.0096, 1.2056)]
+
+    row = next(row for row in build_table1([flex, ddp]).rows if row.optimizer == "flexdemo")
+    table = build_table1([flex, ddp])
+    assert row.values["tx_MB_per_step"] == 1.2056 and row.inter_node_mb_per_step == 0.0096
+    assert any("1.206); 0.0096 of them cross between nodes" in note for note in table.notes)
+
+
+def test_point_labels_never_overlap(tmp_path, monkeypatch):
+    runs = [record(f"DeMo k={k}", "demo", 0.01 * (1 + i * 0.02), 3.0 + i * 0.001) for i, k in enumerate((32, 16, 8, 4))]
+    runs += [record("MuLoCo 2-bit EF", "muloco", 0.0039, 3.10), record("Streaming DiLoCo", "streaming_diloco",
+                                                                         0.0040, 3.101)]
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    renderer = fig.canvas.get_renderer()
+    boxes = [text.get_window_extent(renderer) for text in fig.axes[0].texts]
+    assert len(boxes) == 6
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_losses_are_drawn_over_a_shared_bayes_floor(tmp_path, monkeypatch):
+    runs = [record("AdamW-DDP", "adamw_ddp", 0.3, 2.5), record("DeMo", "demo", 0.004, 2.9)]
+    for run in runs:
+        run.summary["bayes_floor"] = 2.1
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "final validation loss \u2212 Bayes floor (2.100)" and ax.get_yscale() == "log"
+    ys = sorted(float(c.get_offsets()[0][1]) for c in ax.collections if c.get_offsets().shape[0] == 1)
+    assert ys[0] == pytest.approx(0.4) and ys[-1] == pytest.approx(0.8)
+    runs[1].summary["bayes_floor"] = None  # no floor shared: the loss itself
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    assert fig.axes[0].get_ylabel() == "final validation loss" and fig.axes[0].get_yscale() == "linear"
 
 
 # ----------------------------------------------------------------------------- readers

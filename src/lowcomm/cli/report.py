@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 # answers without loading torch and matplotlib.
 
 
-def _selection_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def _selection_parser(prog: str, description: str, *, figures: bool = True) -> argparse.ArgumentParser:
+    """The options every analysis command shares: which runs, where to write; ``figures``: and
+    in which formats (a command that writes only tables does not offer it)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--runs", nargs="+", metavar="GLOB", help="run directories; quote globs")
@@ -30,8 +32,10 @@ def _selection_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="with --sweep: a Hydra override added to every job, as at launch (repeatable)")
     parser.add_argument("--run-root", help="with --sweep: where the runs are (same as --override run_root=DIR)")
     parser.add_argument("--out", type=Path, help="output directory (default: results/<sweep> or results/report)")
-    parser.add_argument("--formats", nargs="+", choices=["png", "pdf", "svg"],
-                        help="figure formats (default: png and pdf)")
+    if figures:
+        parser.add_argument("--formats", nargs="+", choices=["png", "pdf", "svg"],
+                            help="figure formats (default: png and pdf)")
+        parser.add_argument("--title", default="", help="the figure's title (default: says what is plotted)")
     return parser
 
 
@@ -41,7 +45,8 @@ def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
     from lowcomm.report.figures import FORMATS
     from lowcomm.report.select import select_by_globs, select_by_sweep
 
-    args.formats = tuple(args.formats or FORMATS)
+    if hasattr(args, "formats"):
+        args.formats = tuple(args.formats or FORMATS)
     if args.sweep is None and (args.override or args.run_root):
         parser.error("--override and --run-root apply to --sweep only")
     if args.sweep is not None:
@@ -65,7 +70,9 @@ def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
 
 def table1_main(argv: list[str] | None = None) -> int:
     """``analysis/table1.py``: the paper's Table 1 as Markdown (printed), LaTeX and CSV."""
-    parser = _selection_parser("lowcomm-table1", "The DeMo paper's Table 1 from runs, beside the paper's numbers.")
+    parser = _selection_parser("lowcomm-table1", "The DeMo paper's Table 1 from runs, beside the paper's numbers: "
+                               "Markdown (printed), LaTeX and CSV; the figures are lowcomm-loss-vs-mb's and "
+                               "lowcomm-curves'.", figures=False)
     parser.add_argument("--paper", type=Path, help="the paper's numbers (default: results/paper/table1.csv)")
     parser.add_argument("--no-paper", action="store_true", help="ours only")
     parser.add_argument("--eval-step", type=int, help="benchmarks of this step's evaluation (default: latest)")
@@ -109,7 +116,6 @@ def loss_vs_mb_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", choices=["payload", "tx"], default="payload",
                         help="payload: the papers' Tx MB/step (default); tx: bytes sent under the ring algorithm")
     parser.add_argument("--no-annotate", action="store_true", help="do not label each point")
-    parser.add_argument("--title", default="")
     parser.add_argument("--stem", default="loss_vs_mb", help="output file name without extension")
     args = parser.parse_args(argv)
     from lowcomm.report.figures import plot_loss_vs_mb
@@ -133,7 +139,6 @@ def curves_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perplexity", action="store_true", help="plot exp(loss)")
     parser.add_argument("--smoothing", type=float, default=0.0, help="EMA weight in [0, 1) (default 0: raw)")
     parser.add_argument("--linear-mb", action="store_true", help="linear cumulative-MB axis (default: log)")
-    parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
     if not 0 <= args.smoothing < 1:
         parser.error(f"--smoothing must be in [0, 1), got {args.smoothing}")
@@ -209,6 +214,6 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     print(f"table: {out_dir / f'{args.stem}.md'}\ntable: {out_dir / f'{args.stem}.csv'}")
     panels = [(timelines[0].link.describe(), timelines) for timelines in per_link]
     for path in plot_loss_vs_wallclock(panels, labels, out_dir, target=target, stem=f"loss_vs_{args.stem}",
-                                       formats=tuple(args.formats)):
+                                       formats=tuple(args.formats), title=args.title):
         print(f"figure: {path}")
     return 0

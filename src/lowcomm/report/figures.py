@@ -6,6 +6,13 @@
   one marker per optimizer family, with the Pareto front drawn (the paper's Figure 4);
 - :func:`plot_loss_vs_wallclock`: validation loss against estimated wall-clock time, one panel
   per network link (:mod:`lowcomm.report.wallclock`).
+
+Every figure and table puts a run at the same bytes: its payload, all of it, per worker and step
+(the paper's "Tx MB/step", 1 MB = 1e6 bytes), as the axis labels say. A run with two links
+(FlexDeMo) also shows the part that crosses between nodes: a hollow marker linked to its filled
+one, a note in the legend. Where every run shares the synthetic corpus's Bayes floor, validation
+losses are drawn as the excess over it (log axis): the gaps that matter are not squeezed into
+the top of an axis that starts at the floor.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from lowcomm.strategies import STRATEGIES  # noqa: E402
 FAMILY_MARKERS = {name: strategy.display.marker for name, strategy in STRATEGIES.items()}
 FAMILY_COLORS = {name: strategy.display.color for name, strategy in STRATEGIES.items()}
 FORMATS = ("png", "pdf")
+MB = "1 MB = 1e6 bytes"
+TX_PER_STEP = f"Tx MB/step per worker (payload; {MB})"
+CUMULATIVE_TX = f"cumulative Tx MB per worker (payload; {MB})"
 
 
 def run_colors(runs: list[RunRecord]) -> dict[int, tuple[float, float, float]]:
@@ -64,6 +74,31 @@ def _save(fig, out_dir: Path, stem: str, formats: tuple[str, ...]) -> list[Path]
     return paths
 
 
+def shared_floor(runs: list[RunRecord]) -> float | None:
+    """The Bayes floor every run shares (the same synthetic corpus and slice), else None."""
+    floors = {run.bayes_floor for run in runs}
+    return floors.pop() if len(floors) == 1 and None not in floors else None
+
+
+def _loss_axis(ax, quantity: str, floor: float | None, values: list[float]) -> None:
+    """The y axis of a loss: with ``floor``, the excess over it (``values`` already less the
+    floor), on a log scale where all are above it, its ticks as plain numbers; without, the
+    loss itself."""
+    if floor is None:
+        ax.set_ylabel(quantity)
+        return
+    ax.set_ylabel(f"{quantity} \u2212 Bayes floor ({floor:.3f})")
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+        plain = mticker.FuncFormatter(lambda value, _position: f"{value:.2g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+
+
+def _excess(floor: float | None, values: list[float], perplexity: bool = False) -> list[float]:
+    return values if floor is None or perplexity else [value - floor for value in values]
+
+
 def _floor(ax, runs: list[RunRecord], perplexity: bool = False) -> None:
     """The synthetic corpus's Bayes floor, when every run shares one (same corpus and slice).
 
@@ -82,6 +117,33 @@ def _floor(ax, runs: list[RunRecord], perplexity: bool = False) -> None:
     ax.plot([], [], color="0.3", ls=":", lw=1, label=f"Bayes floor {value:.3f} (below the axes)")
     ax.annotate(f"Bayes floor {value:.3f} \u2193", xy=(0.01, 0.01), xycoords="axes fraction", fontsize=7,
                 color="0.3", va="bottom")
+
+
+def _place_labels(ax, texts: list, marker_radius_pt: float = 5.0) -> None:
+    """Move point labels up, in order of their points' height, until none overlaps another label
+    or another point's marker on the canvas: deterministic, and close to their points."""
+    if not texts:
+        return
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    pixels_per_point = fig.dpi / 72.0
+    radius = marker_radius_pt * pixels_per_point
+    anchors = [ax.transData.transform(text.xy) for text in texts]
+    markers = [Bbox.from_extents(x - radius, y - radius, x + radius, y + radius) for x, y in anchors]
+    placed: list = []
+    for index in sorted(range(len(texts)), key=lambda i: (anchors[i][1], anchors[i][0])):
+        text = texts[index]
+        others = [box for i, box in enumerate(markers) if i != index]
+        for _ in range(200):
+            box = text.get_window_extent(renderer)
+            clash = next((other for other in [*placed, *others] if box.overlaps(other)), None)
+            if clash is None:
+                break
+            x, y = text.xyann
+            text.xyann = (x, y + (clash.y1 - box.y0 + 1) / pixels_per_point)
+        placed.append(text.get_window_extent(renderer))
 
 
 def _ema(values: list[float], smoothing: float) -> list[float]:
@@ -104,108 +166,134 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     prefix = "" if key == "train/loss" else key.replace("/loss", "").replace("/", "_") + "_"
     quantity = key.replace("/", " ").replace("loss", "perplexity" if perplexity else "loss")
-    labels = distinct_labels(runs)
+    floor = shared_floor(runs) if key.startswith("val/") and not perplexity else None
+    labels = [label + _inter_node_note(run) for run, label in zip(runs, distinct_labels(runs), strict=True)]
     colors = run_colors(runs)
     written = []
-    for stem, xlabel in (("loss_vs_step", "optimizer step"),
-                         ("loss_vs_cum_MB", "cumulative MB sent per worker (payload)")):
+    for stem, xlabel in (("loss_vs_step", "optimizer step"), ("loss_vs_cum_MB", CUMULATIVE_TX)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        plotted: list[float] = []
         for run, label in zip(runs, labels, strict=True):
             steps, values = run.series(key)
             if not steps:
                 continue
             x = steps if stem == "loss_vs_step" else run.cumulative_mb_at(steps)
-            y = _ema(values, smoothing)
+            y = _excess(floor, _ema(values, smoothing))
             if perplexity:
                 y = [math.exp(v) for v in y]
+            plotted += y
             ax.plot(x, y, marker=FAMILY_MARKERS.get(run.optimizer, "."), markevery=max(len(x) // 6, 1),
                     ms=5, lw=1.4, label=label, color=colors[id(run)])
-        if key.startswith("val/"):
+        _loss_axis(ax, quantity + (f" (EMA {smoothing:g})" if smoothing else ""), floor, plotted)
+        if key.startswith("val/") and floor is None:
             _floor(ax, runs, perplexity)
         if stem == "loss_vs_cum_MB" and log_mb:
             # A step that sent nothing yet (DiLoCo before its first sync) sits at 0 and is masked.
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(quantity + (f" (EMA {smoothing:g})" if smoothing else ""))
-        ax.set_title(title or f"{quantity} vs {xlabel}")
+        ax.set_title(title or f"{quantity} vs {'optimizer step' if stem == 'loss_vs_step' else 'cumulative MB'}")
         ax.grid(alpha=0.3, which="both")
         _legend_outside(ax)
         written += _save(fig, out_dir, prefix + stem, formats)
     return written
 
 
+def _inter_node_note(run: RunRecord) -> str:
+    """A two-link run's legend note: the part of its bytes that crosses between nodes."""
+    if not run.two_links or not run.inter_node_payload_mb_per_step:
+        return ""
+    return f" (inter-node {run.inter_node_payload_mb_per_step:.3g} of {run.payload_mb_per_step:.4g} MB/step)"
+
+
 def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_vs_mb", mb: str = "payload",
                     perplexity: bool = False, annotate: bool = True, formats: tuple[str, ...] = FORMATS,
                     title: str = "") -> tuple[list[Path], list[tuple[RunRecord, str]]]:
-    """Final validation loss (``perplexity``: its exponential) against MB/step of each run, log x,
-    with the Pareto front as a staircase through its runs (lower left is better).
+    """Final validation loss (``perplexity``: its exponential; else the excess over a shared
+    Bayes floor) against MB/step of each run, log x, with the Pareto front as a staircase through
+    its runs (lower left is better). A two-link run's inter-node bytes are a hollow marker linked
+    to it; point labels are moved apart until none overlaps another.
 
     Returns the files written and the runs left out with the reason (no numbers yet, diverged,
     nothing sent)."""
     points, skipped = loss_mb_points(runs, mb=mb, perplexity=perplexity)
+    floor = None if perplexity else shared_floor([point.run for point in points])
+    y = {id(point): point.loss - (floor or 0.0) for point in points}
     labels = dict(zip((id(run) for run in runs), distinct_labels(runs), strict=True))
     colors = run_colors(runs)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for family in dict.fromkeys(point.run.optimizer for point in points):
         members = [point for point in points if point.run.optimizer == family]
+        marker = FAMILY_MARKERS.get(family, ".")
+        split = [point for point in members if point.inter_node_mb is not None]
         name = OPTIMIZER_NAMES.get(family, family)
-        # a strategy with two links is placed at its inter-node bytes: the legend says so
-        label = f"{name} (inter-node MB)" if any(p.inter_node for p in members) else name
-        ax.scatter([p.mb_per_step for p in members], [p.loss for p in members], s=60, zorder=3,
-                   marker=FAMILY_MARKERS.get(family, "."), color=[colors[id(p.run)] for p in members],
-                   label=label)
+        ax.scatter([p.mb_per_step for p in members], [y[id(p)] for p in members], s=60, zorder=3, marker=marker,
+                   color=[colors[id(p.run)] for p in members],
+                   label=f"{name}: all bytes (filled), inter-node part (hollow)" if split else name)
+        for point in split:
+            color = colors[id(point.run)]
+            ax.plot([point.inter_node_mb, point.mb_per_step], [y[id(point)]] * 2, color=color, lw=0.8, ls=":",
+                    zorder=2)
+            ax.scatter([point.inter_node_mb], [y[id(point)]], s=60, zorder=3, marker=marker, facecolors="none",
+                       edgecolors=[color])
     front = pareto_runs(points)
     if front:
         # Between two front runs the best loss reachable for the bytes is the cheaper run's:
         # a step drawn after each point.
-        ax.step([p.mb_per_step for p in front], [p.loss for p in front], where="post", color="0.25",
-                ls="--", lw=1, zorder=2, label="Pareto front")
-        ax.scatter([p.mb_per_step for p in front], [p.loss for p in front], s=150, facecolors="none",
+        ax.step([p.mb_per_step for p in front], [y[id(p)] for p in front], where="post", color="0.25",
+                ls="--", lw=1, zorder=2, label="Pareto front (all bytes)")
+        ax.scatter([p.mb_per_step for p in front], [y[id(p)] for p in front], s=150, facecolors="none",
                    edgecolors="0.25", lw=1, zorder=2)
-    if annotate:
-        for point in points:
-            ax.annotate(labels[id(point.run)], (point.mb_per_step, point.loss), textcoords="offset points",
-                        xytext=(5, 4), fontsize=7)
-    _floor(ax, [point.run for point in points], perplexity)
-    ax.set_xscale("log")
-    what = "payload MB per worker per step" if mb == "payload" else "MB sent per worker per step (ring)"
     quantity = "final validation perplexity" if perplexity else "final validation loss"
-    ax.set_xlabel(f"{what} (log scale)")
-    ax.set_ylabel(quantity)
+    _loss_axis(ax, quantity, floor, list(y.values()))
+    if floor is None:
+        _floor(ax, [point.run for point in points], perplexity)
+    ax.set_xscale("log")
+    ax.set_xlabel(TX_PER_STEP if mb == "payload" else f"MB sent per worker per step, ring algorithm ({MB})")
     ax.set_title(title or f"{quantity} vs communication")
     ax.grid(alpha=0.3, which="both")
     if points:
         _legend_outside(ax)
+    if annotate:
+        texts = [ax.annotate(labels[id(point.run)], (point.mb_per_step, y[id(point)]), textcoords="offset points",
+                             xytext=(5, 4), fontsize=7) for point in points]
+        _place_labels(ax, texts)
     return _save(fig, out_dir, stem, formats), skipped
 
 
 def plot_loss_vs_wallclock(panels: list[tuple[str, list[Timeline]]], labels: list[str], out_dir: Path, *,
                            target: float | None = None, stem: str = "loss_vs_wallclock",
-                           formats: tuple[str, ...] = FORMATS) -> list[Path]:
+                           formats: tuple[str, ...] = FORMATS, title: str = "") -> list[Path]:
     """Validation loss against estimated wall-clock time, one panel per link (``panels``:
     ``(title, timelines)``, each timeline list in the order of ``labels``); log time axis, the
     Bayes floor and the target (floor + ``target``) marked."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.8, 4.0), sharey=True, squeeze=False)
     runs = [item.run for item in panels[0][1]] if panels else []
     colors = run_colors(runs)
+    floor = shared_floor(runs)
+    plotted: list[float] = []
     for ax, (title, timelines) in zip(axes[0], panels, strict=True):
         for item, label in zip(timelines, labels, strict=True):
             points = item.val_points()
             if not points:
                 continue
-            ax.plot([t for _s, t, _v in points], [v for _s, _t, v in points], label=label, lw=1.4, ms=4,
+            values = _excess(floor, [v for _s, _t, v in points])
+            plotted += values
+            ax.plot([t for _s, t, _v in points], values, label=label, lw=1.4, ms=4,
                     marker=FAMILY_MARKERS.get(item.run.optimizer, "."), color=colors[id(item.run)])
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(mticker.NullFormatter())  # decades only: minor labels collide
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("estimated wall-clock time (s)")
         ax.grid(alpha=0.3, which="both")
-        floors = {run.bayes_floor for run in runs if run.bayes_floor is not None}
-        if target is not None and len(floors) == 1:
-            ax.axhline(floors.pop() + target, color="0.5", ls="--", lw=0.8, label=f"target: floor + {target:.3f}")
-        _floor(ax, runs)
-    axes[0][0].set_ylabel("validation loss")
+        if target is not None and floor is not None:
+            ax.axhline(target, color="0.5", ls="--", lw=0.8, label=f"target: floor + {target:.3f}")
+    _loss_axis(axes[0][0], "validation loss", floor, plotted)
+    if floor is None:
+        for ax in axes[0]:
+            _floor(ax, runs)
     _legend_outside(axes[0][-1])
+    if title:
+        fig.suptitle(title)
     return _save(fig, out_dir, stem, formats)
 
 
@@ -216,27 +304,31 @@ def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *,
     seed. Log x; a group that sent nothing before a validation is drawn from its first send."""
     firsts = [runs[0] for _label, runs in groups]
     colors = run_colors(firsts)
+    floor = shared_floor([run for _label, runs in groups for run in runs])
+    plotted: list[float] = []
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     for (label, runs), first in zip(groups, firsts, strict=True):
         series = [run.series("val/loss") for run in runs]
         steps = sorted(set.intersection(*(set(s) for s, _ in series)))
         if not steps:
             continue
-        values = [[dict(zip(s, v, strict=True))[step] for s, v in series] for step in steps]
+        values = [_excess(floor, [dict(zip(s, v, strict=True))[step] for s, v in series]) for step in steps]
         x = first.cumulative_mb_at(steps)
         keep = [i for i, mb in enumerate(x) if mb > 0]
         x = [x[i] for i in keep]
         low, mean, high = ([min(values[i]) for i in keep], [sum(values[i]) / len(values[i]) for i in keep],
                            [max(values[i]) for i in keep])
         color = colors[id(first)]
+        plotted += low
         ax.plot(x, mean, marker=FAMILY_MARKERS.get(first.optimizer, "."), ms=4, lw=1.4, color=color,
-                label=f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''})")
+                label=f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''}){_inter_node_note(first)}")
         ax.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
     ax.set_xscale("log")
-    ax.set_xlabel("cumulative MB sent per worker (payload)")
-    ax.set_ylabel("validation loss (mean over seeds; band: min to max)")
+    ax.set_xlabel(CUMULATIVE_TX)
+    _loss_axis(ax, "validation loss (mean over seeds; band: min to max)", floor, plotted)
     ax.set_title(title or "validation loss vs cumulative MB, over seeds")
     ax.grid(alpha=0.3, which="both")
-    _floor(ax, firsts)
+    if floor is None:
+        _floor(ax, firsts)
     _legend_outside(ax)
     return _save(fig, out_dir, stem, formats)

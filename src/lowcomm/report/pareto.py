@@ -39,9 +39,10 @@ class LossMbPoint:
     """One run in the loss-versus-bytes plane (the paper's Figure 4)."""
 
     run: RunRecord
-    mb_per_step: float
+    mb_per_step: float  # every byte the worker contributes per step (its total payload, or tx)
     loss: float  # the final validation loss, or its exponential with ``perplexity``
-    inter_node: bool = False  # mb_per_step counts the inter-node link alone (a run with two links)
+    # a run with two links (FlexDeMo): the part of its payload that crosses between nodes
+    inter_node_mb: float | None = None
 
 
 def loss_mb_points(runs: list[RunRecord], *, mb: str = "payload",
@@ -49,18 +50,16 @@ def loss_mb_points(runs: list[RunRecord], *, mb: str = "payload",
     """Each run's (MB/step, final validation loss) and the runs that have no such point, with why.
 
     ``mb``: ``payload`` (what one worker contributes per step, the papers' Tx MB/step) or ``tx``
-    (what it sends under the ring algorithm). A run with two links (FlexDeMo: inside a node and
-    between nodes) is placed at its inter-node payload: its claim is about the slow link, and
-    its intra-node bytes (FSDP's gathers) would otherwise put it beside AdamW-DDP."""
+    (what it sends under the ring algorithm). Every run is placed at all of its bytes, as in
+    Table 1 and the cumulative-MB curves; a run with two links (FlexDeMo: inside a node and
+    between nodes) also carries its inter-node payload, drawn as a second, linked point beside
+    it, never in its place (the front is over the total)."""
     if mb not in ("payload", "tx"):
         raise ValueError(f"mb={mb!r}; choose payload or tx")
     points, skipped = [], []
     for run in runs:
-        inter_node = mb == "payload" and run.two_links
-        if inter_node:
-            mb_per_step = run.inter_node_payload_mb_per_step
-        else:
-            mb_per_step = run.payload_mb_per_step if mb == "payload" else run.tx_mb_per_step
+        mb_per_step = run.payload_mb_per_step if mb == "payload" else run.tx_mb_per_step
+        inter_node = run.inter_node_payload_mb_per_step if mb == "payload" and run.two_links else None
         loss = run.final_val_loss
         if run.diverged:
             skipped.append((run, f"diverged at step {run.diverged['step']} ({run.diverged['reason']})"))
@@ -71,7 +70,8 @@ def loss_mb_points(runs: list[RunRecord], *, mb: str = "payload",
         elif mb_per_step <= 0:
             skipped.append((run, "sent nothing (0 MB/step cannot be placed on a log axis)"))
         else:
-            points.append(LossMbPoint(run, mb_per_step, math.exp(loss) if perplexity else loss, inter_node))
+            points.append(LossMbPoint(run, mb_per_step, math.exp(loss) if perplexity else loss,
+                                      inter_node if inter_node and inter_node > 0 else None))
     return points, skipped
 
 

@@ -55,6 +55,8 @@ class Table1Row:
     final_step: int | None = None
     eval_step: int | None = None
     ring_tx_mb_per_step: float | None = None  # bytes sent under the ring algorithm, for the CSV
+    # a run with two links (FlexDeMo): the part of its Tx MB/step that crosses between nodes
+    inter_node_mb_per_step: float | None = None
 
 
 @dataclass
@@ -104,7 +106,7 @@ class Table1:
             if column.key in benchmark_keys:
                 header += [f"{column.key}_stderr", f"{column.key}_n"]
             header.append(f"{column.key}_paper")
-        header.append("ring_tx_MB_per_step")
+        header += ["ring_tx_MB_per_step", "inter_node_tx_MB_per_step"]
         with path.open("w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(header)
@@ -116,7 +118,7 @@ class Table1:
                     if column.key in benchmark_keys:
                         record += [row.stderr.get(column.key), row.n.get(column.key)]
                     record.append(row.paper.values.get(column.key) if row.paper else None)
-                record.append(row.ring_tx_mb_per_step)
+                record += [row.ring_tx_mb_per_step, row.inter_node_mb_per_step]
                 writer.writerow(["" if cell is None else cell for cell in record])
         return path
 
@@ -138,6 +140,11 @@ def build_table1(runs: list[RunRecord], paper_rows: list[PaperRow] | None = None
                         ring_tx_mb_per_step=run.tx_mb_per_step)
         row.values["final_loss"] = run.final_val_loss if loss == "val" else run.final_train_loss
         row.values["tx_MB_per_step"] = run.payload_mb_per_step
+        if run.two_links and run.inter_node_payload_mb_per_step is not None:
+            row.inter_node_mb_per_step = run.inter_node_payload_mb_per_step
+            notes.append(f"{label}: Tx MB/step counts all of its bytes ({run.payload_mb_per_step:.4g}); "
+                         f"{run.inter_node_payload_mb_per_step:.3g} of them cross between nodes, the rest stays "
+                         "inside a node (CSV: inter_node_tx_MB_per_step; the figures mark both)")
         row.paper = match_paper_row(paper_rows, run.model, run.optimizer, run.chunk, run.topk)
         if run.diverged:
             notes.append(f"{run.path}: diverged at step {run.diverged['step']} ({run.diverged['reason']}): "
