@@ -59,7 +59,10 @@ def run_colors(runs: list[RunRecord]) -> dict[int, tuple[float, float, float]]:
 
 
 def _legend_outside(ax) -> None:
-    """The legend to the right of the axes, where it cannot hide a curve's end."""
+    """The legend to the right of the axes, where it cannot hide a curve's end (none when
+    nothing was drawn)."""
+    if not ax.get_legend_handles_labels()[0]:
+        return
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
 
 
