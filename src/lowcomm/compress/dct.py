@@ -111,7 +111,7 @@ class BlockLayout:
         origin = (origin_rows.unsqueeze(1) + origin_cols).view(-1, 1)
         within = torch.arange(self.block_numel, device=device)
         offset = (within // self.chunk_cols) * self.cols + within % self.chunk_cols
-        return origin + offset[block_index]
+        return origin + offset.take(block_index)
 
 
 @functools.lru_cache(maxsize=64)
