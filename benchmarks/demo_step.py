@@ -8,13 +8,22 @@ all-gather is a local copy).
 
 Step times come from one process where every optimizer steps the same parameters in turn,
 ``--steps`` rounds after one warm-up step each: a change in machine load hits all of them
-alike, and the ratio column is the median of the per-round ratios to AdamW. DeMo's phases come
+alike, and each ratio column is the median of the per-round ratios to AdamW (the default
+for-loop one, and fused). In the same rounds, the two dense block DCTs a DeMo step needs (forward
+of the gradient, inverse of the aggregate: four matrix products per parameter) are timed alone:
+the floor of any DeMo step that transforms by matrix products. DeMo's phases come
 from one extra step under torch.profiler (``record_function`` ranges in ``DeMo.step``; the
 profiler adds a little overhead). Peak memory comes from a fresh process per optimizer: the peak
 resident set of two steps above the parameters and gradients, state included (Linux VmHWM,
 reset through /proc/self/clear_refs; on CUDA, torch's peak allocation).
 
+With ``--decode-workers W ...`` it also times DeMo's aggregation of W workers' payloads for
+all the parameters in one bucket (``DCTTopK.aggregate_gathered``, what every worker runs on
+the all-gathered buffer; W=1 needs none of its mean over senders), on synthetic payloads: k
+distinct block-local indices per block and worker, random values, paper wire.
+
     python benchmarks/demo_step.py            # CPU, 2 threads, about a minute
+    python benchmarks/demo_step.py --decode-workers 2 64
     python benchmarks/demo_step.py --device cuda --threads 8
 
 Tokens/s, MFU and peak memory of the whole training loop (tiny or 300M model, CPU or CUDA) are
@@ -47,6 +56,7 @@ OPTIMIZERS = {
     "demo_param_domain": "DeMo, parameter-domain momentum",
 }
 DEFAULT_OPTIMIZERS = ["adamw", "adamw_fused", "demo", "demo_param_domain"]
+FLOOR = "dense_dct"  # the two dense block DCTs of a step alone, timed beside the optimizers
 
 
 def shapes(layers: int, embedding: bool) -> list[tuple[int, int]]:
@@ -117,24 +127,50 @@ def peak_memory(name: str, layers: int, embedding: bool, threads: int, device: s
     return (peak - base) / 1e6
 
 
+def _dense_transforms(params):
+    """A step-like callable: the forward block DCT of every gradient and the inverse of the
+    result, into work space allocated once (DeMo's chunk 64), as DeMo computes them."""
+    import torch
+
+    from lowcomm.compress.dct import block_transform
+    from lowcomm.compress.dct_topk import DCTTopK
+
+    codec = DCTTopK(chunk=64)
+    largest = max(param.numel() for param in params)
+    out, scratch, back = (torch.empty(largest, device=params[0].device) for _ in range(3))
+
+    def step() -> None:
+        for param in params:
+            layout = codec.layout(param.shape)
+            bases = codec.bases(layout, param.device, param.dtype)
+            size = param.numel()
+            block_transform(param.grad, layout, *bases, out=out[:size], scratch=scratch[:size])
+            block_transform(out[:size], layout, *bases, inverse=True, out=back[:size], scratch=scratch[:size])
+
+    return step
+
+
 def step_times(names: list[str], layers: int, embedding: bool, steps: int, threads: int, device: str) -> dict:
     """In one process, on shared parameters and gradients: one warm-up step each, then
-    ``steps`` rounds that time one step of every optimizer in turn (so a change in machine
-    load hits all of them alike); then one profiled DeMo step for the phase split."""
+    ``steps`` rounds that time one step of every optimizer in turn, and the dense transforms
+    alone (so a change in machine load hits all of them alike); then one profiled DeMo step
+    for the phase split."""
     import torch
 
     params = _setup(layers, embedding, threads, device)
-    optimizers = {name: _optimizer(name, params) for name in names}
-    for optimizer in optimizers.values():
-        optimizer.step()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    steppers = {name: _optimizer(name, params).step for name in names}
+    steppers[FLOOR] = _dense_transforms(params)
+    for step in steppers.values():
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(steps):
-        for name, optimizer in optimizers.items():
+        for name, step in steppers.items():
             _sync(device)
             start = time.perf_counter()
-            optimizer.step()
+            step()
             _sync(device)
             times[name].append(time.perf_counter() - start)
+    optimizers = {name: step.__self__ for name, step in steppers.items() if name != FLOOR}
     phases = {}
     for name in names:
         if name.startswith("demo"):
@@ -148,6 +184,50 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
     return {"times": times, "phases": phases, "numel": sum(p.numel() for p in params)}
 
 
+def _ratio(times: dict[str, list[float]], name: str, reference: str) -> str:
+    """The median over rounds of the per-round ratio of ``name``'s step to ``reference``'s."""
+    if reference not in times:
+        return "-"
+    return f"{statistics.median(t / r for t, r in zip(times[name], times[reference], strict=True)):.2f}"
+
+
+def decode_times(workers: list[int], layers: int, embedding: bool, steps: int, threads: int, device: str) -> dict:
+    """Median seconds of one aggregation of ``W`` workers' synthetic payloads for every
+    parameter (one bucket), per W."""
+    import torch
+
+    from lowcomm.compress.base import Payload
+    from lowcomm.compress.dct_topk import DCTTopK
+
+    torch.set_num_threads(threads)
+    codec = DCTTopK(chunk=64, topk=32)
+    layouts = [codec.layout(shape) for shape in shapes(layers, embedding)]
+    offsets = [sum(layout.numel for layout in layouts[:i]) for i in range(len(layouts))]
+    total = sum(layout.numel for layout in layouts)
+    out, counts = (torch.empty(total, device=device) for _ in range(2))
+    generator = torch.Generator().manual_seed(0)
+    medians = {}
+    for world in workers:
+        payloads = []
+        for layout in layouts:
+            # one index per residue class mod k: k distinct indices per block and worker
+            size = (world, layout.num_blocks, codec.topk)
+            stride = layout.block_numel // codec.topk
+            index = torch.randint(0, stride, size, generator=generator) * codec.topk + torch.arange(codec.topk)
+            values = torch.randn(size, generator=generator)
+            payloads.append(Payload({"index": index.to(device), "values": values.to(device)}, {"dtype": values.dtype}))
+        seconds = []
+        for _ in range(steps + 1):  # the first is a warm-up
+            _sync(device)
+            start = time.perf_counter()
+            codec.aggregate_gathered(payloads, layouts, offsets, out=out, counts=counts)
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+        medians[world] = statistics.median(seconds[1:])
+        del payloads
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=7, help="OLMo-300M blocks (7: 117.4M parameters)")
@@ -156,34 +236,38 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each process")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--optimizers", nargs="+", default=DEFAULT_OPTIMIZERS, choices=list(OPTIMIZERS))
+    parser.add_argument("--decode-workers", nargs="*", type=int, default=[], metavar="W",
+                        help="also time the aggregation of W workers' payloads (synthetic), per W")
     args = parser.parse_args()
     geometry = (args.layers, args.embedding)
 
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
         timing = pool.apply(step_times, (args.optimizers, *geometry, args.steps, args.threads, args.device))
+        decode = {}
+        if args.decode_workers:
+            decode = pool.apply(decode_times, (args.decode_workers, *geometry, args.steps, args.threads, args.device))
     memory = {}
     for name in args.optimizers:
         with context.Pool(1) as pool:
             memory[name] = pool.apply(peak_memory, (name, *geometry, args.threads, args.device))
 
     times = timing["times"]
-    reference = times.get("adamw")
     what = "with" if args.embedding else "without"
     print(
         f"\nOne optimizer step on {timing['numel'] / 1e6:.1f}M fp32 parameters: {args.layers} OLMo-300M blocks "
         f"{what} the embedding; {args.device}, {args.threads} threads; medians of {args.steps} interleaved "
         "rounds. DeMo: W=1 (compute only), chunk 64, top-32.\n"
     )
-    header = f"{'optimizer':<34} {'step ms':>9} {'x AdamW':>8} {'peak extra MB':>14}"
+    header = f"{'optimizer':<38} {'step ms':>9} {'x AdamW':>8} {'x fused':>8} {'peak extra MB':>14}"
     print(header)
     print("-" * len(header))
-    for name in args.optimizers:
-        ratio = "-"
-        if reference:  # median over rounds of the per-round ratio
-            ratio = f"{statistics.median(t / r for t, r in zip(times[name], reference, strict=True)):.2f}"
+    labels = {**OPTIMIZERS, FLOOR: "dense DCT alone (fwd + inv, no top-k)"}
+    for name in [*args.optimizers, FLOOR]:
+        ratios = [_ratio(times, name, reference) for reference in ("adamw", "adamw_fused")]
         step_ms = statistics.median(times[name]) * 1e3
-        print(f"{OPTIMIZERS[name]:<34} {step_ms:>9.1f} {ratio:>8} {memory[name]:>14.0f}")
+        peak = f"{memory[name]:.0f}" if name in memory else "-"
+        print(f"{labels[name]:<38} {step_ms:>9.1f} {ratios[0]:>8} {ratios[1]:>8} {peak:>14}")
     for name, phases in timing["phases"].items():
         total = sum(phases.values())
         where = " (host-side ranges: CUDA kernels run asynchronously)" if args.device.startswith("cuda") else ""
@@ -191,6 +275,10 @@ def main() -> None:
         for phase, ms in phases.items():
             print(f"  {phase:<12} {ms:>8.1f} ms  {ms / total:6.1%}")
         print(f"  {'total':<12} {total:>8.1f} ms")
+    if decode:
+        print("\nDeMo's aggregation of W workers' payloads (all parameters, one bucket; synthetic, paper wire)")
+        for world, seconds in decode.items():
+            print(f"  W={world:<4} {seconds * 1e3:>9.1f} ms")
 
 
 if __name__ == "__main__":
