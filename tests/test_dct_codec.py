@@ -223,10 +223,12 @@ def test_registered_and_validated():
 
 @pytest.mark.filterwarnings("ignore:a dimension of size")
 @pytest.mark.parametrize("wire", WIRES)
-def test_aggregating_gathered_buffers_is_bit_identical_to_per_worker_aggregation(wire):
+@pytest.mark.parametrize("world", [2, 4])
+def test_aggregating_gathered_buffers_is_bit_identical_to_per_worker_aggregation(wire, world):
     # DeMo's bucketed exchange: all workers' payloads of several tensors, as one all-gather
-    # into a W x n buffer leaves them, decoded in one pass
-    codec, world = DCTTopK(chunk=4, topk=3, wire=wire), 4
+    # into a W x n buffer leaves them, decoded in one pass (its mean over senders is one dense
+    # division; aggregate() divides at the sent positions only)
+    codec = DCTTopK(chunk=4, topk=3, wire=wire)
     shapes = [(8, 12), (10, 6), (24,), (4, 3, 8), (8, 7)]
     generator = torch.Generator().manual_seed(3)
     payloads = [[codec.encode(torch.randn(shape, generator=generator)) for shape in shapes] for _ in range(world)]
