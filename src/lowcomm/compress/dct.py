@@ -100,13 +100,15 @@ class BlockLayout:
             1, 2
         )
 
-    def global_index(self, block_index: torch.Tensor) -> torch.Tensor:
+    def global_index(self, block_index: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Flat positions in the ``rows x cols`` tensor of the entries ``block_index[i, j]``
-        (row-major within block i; blocks numbered row-major)."""
+        (row-major within block i; blocks numbered row-major), plus ``start`` (where the
+        tensor begins in a larger buffer). ``block_index`` may have leading dimensions (one
+        per worker) before its ``(num_blocks, k)``."""
         device = block_index.device
         # block origins and in-block offsets are small tables; the large index tensor meets
         # one gather and one add (no integer division on it)
-        origin_rows = torch.arange(self.blocks_rows, device=device) * (self.chunk_rows * self.cols)
+        origin_rows = torch.arange(self.blocks_rows, device=device) * (self.chunk_rows * self.cols) + start
         origin_cols = torch.arange(self.blocks_cols, device=device) * self.chunk_cols
         origin = (origin_rows.unsqueeze(1) + origin_cols).view(-1, 1)
         within = torch.arange(self.block_numel, device=device)

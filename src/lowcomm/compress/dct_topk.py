@@ -251,29 +251,28 @@ class DCTTopK:
         all-gather into one buffer leaves them) and ``offsets[i]`` where its coefficients start
         in ``out``. Every position gets the mean over the workers that sent it, summed in
         worker order as :meth:`aggregate` does, so the result is bit-identical to it; the
-        kernels per call are a few per tensor (unpack, positions) plus a few in all, instead
-        of a few per tensor and worker. ``counts`` (as large as ``out``) is work space."""
-        positions, values = [], []
-        workers = 1
-        for payload, layout, offset in zip(gathered, layouts, offsets, strict=True):
-            index, sent = self.unpack(payload)
-            workers = index.shape[0]
-            positions.append((layout.global_index(index) + offset).view(workers, -1))
-            values.append(sent.reshape(workers, -1))
-        # worker-major: each worker's positions are distinct, so a position's contributions
-        # arrive in worker order, as in aggregate()'s one index_add_ per worker
-        where = torch.cat(positions, dim=1).view(-1)
+        kernels per call are a few per tensor (unpack, positions, adds) plus a few in all,
+        instead of a few per tensor and worker. ``counts`` (as large as ``out``) is work space."""
+        unpacked = [self.unpack(payload) for payload in gathered]
+        workers = unpacked[0][0].shape[0]
         sums = out.view(-1).zero_()
-        ordered_index_add_(sums, where, torch.cat(values, dim=1).view(-1))
-        if workers > 1:
+        tally = counts.view(-1).zero_() if workers > 1 else None
+        ones = torch.ones(1, dtype=sums.dtype, device=sums.device)
+        for (index, sent), layout, offset in zip(unpacked, layouts, offsets, strict=True):
+            # worker-major: each worker's positions are distinct, and the tensors' positions
+            # disjoint, so a position's contributions arrive in worker order, as in
+            # aggregate()'s one index_add_ per worker. One call per tensor, not one over their
+            # concatenation: at W = 64 the copies of a concatenation cost as much as the adds.
+            where = layout.global_index(index, offset).view(-1)
+            ordered_index_add_(sums, where, sent.reshape(-1))
+            if tally is not None:
+                tally.index_add_(0, where, ones.expand(where.numel()))  # small integers: exact in any order
+        if tally is not None:
             # the mean as one dense division by max(count, 1): a position nobody sent holds
             # 0 / 1 = 0, every other the same quotient as a division at the sent positions
             # only, so the result is bit-identical to aggregate(). Dividing at the W x k x blocks
             # sent positions costs a few gathers and scatters each, which at W = 2 already take
             # longer than three passes over the buffer, and at W = 64 five times longer.
-            tally = counts.view(-1).zero_()
-            ones = torch.ones(1, dtype=sums.dtype, device=sums.device).expand(where.numel())
-            tally.index_add_(0, where, ones)  # small integers: exact in any order
             sums.div_(tally.clamp_(min=1))
         return sums
 
