@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowcomm.cli.report import curves_main, loss_vs_mb_main, table1_main
+from lowcomm.cli.report import curves_main, loss_vs_mb_main, table1_main, wallclock_main
 from lowcomm.launch.local import launch_local
 from lowcomm.report.evals import Score, task_score
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
@@ -200,28 +200,77 @@ def test_a_run_with_two_links_is_placed_at_all_its_bytes_and_marks_its_inter_nod
     fig, _ = drawn(monkeypatch, plot_loss_vs_mb, [flex, ddp], tmp_path, formats=("png",))
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "FlexDeMo: all bytes (filled), inter-node part (hollow)" in labels and "AdamW-DDP" in labels
+    assert labels[:2] == ["FlexDeMo: all bytes (filled)", "FlexDeMo: inter-node part (hollow, dotted)"]
+    assert "AdamW-DDP" in labels
     assert ax.get_xlabel() == "Tx MB/step per worker (payload; 1 MB = 1e6 bytes)"
     hollow = [c for c in ax.collections if c.get_offsets().shape[0] == 1 and not c.get_facecolor().size]
     assert [tuple(c.get_offsets()[0]) for c in hollow] == [(0.0096, 2.9)]
     # the dotted link between the two points of the one run
     assert [tuple(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == ":"] == [(0.0096, 1.2056)]
 
-    row = next(row for row in build_table1([flex, ddp]).rows if row.optimizer == "flexdemo")
     table = build_table1([flex, ddp])
+    row = next(row for row in table.rows if row.optimizer == "flexdemo")
     assert row.values["tx_MB_per_step"] == 1.2056 and row.inter_node_mb_per_step == 0.0096
     assert any("1.206); 0.0096 of them cross between nodes" in note for note in table.notes)
+    # the Markdown and LaTeX tables carry both of its numbers, as the figures do; a one-link run
+    # sends all of its bytes on its one link
+    header, *rows = markdown_rows(table.to_markdown())
+    assert header[-2:] == ["Tx MB/step", "inter-node Tx MB/step"]
+    assert {cells[1]: cells[-2:] for cells in rows} == {"flexdemo": ["1.206", "0.0096"], "ddp": ["0.25", "0.25"]}
+    assert "inter-node Tx MB/step \\\\" in table.to_latex()
+    # without a two-link run the table is the paper's shape
+    assert markdown_rows(build_table1([ddp]).to_markdown())[0][-1] == "Tx MB/step"
 
 
-def test_point_labels_never_overlap(tmp_path, monkeypatch):
-    runs = [record(f"DeMo k={k}", "demo", 0.01 * (1 + i * 0.02), 3.0 + i * 0.001) for i, k in enumerate((32, 16, 8, 4))]
-    runs += [record("MuLoCo 2-bit EF", "muloco", 0.0039, 3.10), record("Streaming DiLoCo", "streaming_diloco",
-                                                                         0.0040, 3.101)]
+def test_a_run_with_two_links_has_two_linked_curves_against_cumulative_bytes(tmp_path, monkeypatch):
+    """The cumulative-MB curves mark both of FlexDeMo's numbers too: its curve at all of its bytes
+    and a hollow, dotted one at the inter-node part, joined at the end; against steps, one curve."""
+    flex, ddp = _flexdemo_and_ddp()
+    flex.metrics = [{"step": step, "train/loss": 4.0 - 0.1 * step, "comm/cum_payload_MB": 1.2056 * step,
+                     "comm/cum_inter_payload_MB": 0.0096 * step, "comm/inter_payload_bytes": 9_600}
+                    for step in range(1, 7)]
+    ddp.metrics = [{"step": step, "train/loss": 4.1 - 0.1 * step, "comm/cum_payload_MB": 0.25 * step}
+                   for step in range(1, 7)]
+    closed = []
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "close", closed.append)
+    plot_loss_curves([flex, ddp], tmp_path, formats=("png",))
+    by_steps, by_bytes = (fig.axes[0] for fig in closed)
+    assert [line.get_label() for line in by_steps.get_lines()] == ["flexdemo", "ddp"]
+    curves = {line.get_label(): line for line in by_bytes.get_lines()}
+    assert list(curves)[:2] == ["flexdemo: all bytes (filled)", "flexdemo: inter-node part (hollow, dotted)"]
+    total, inter = curves["flexdemo: all bytes (filled)"], curves["flexdemo: inter-node part (hollow, dotted)"]
+    assert list(total.get_xdata()) == pytest.approx([1.2056 * step for step in range(1, 7)])
+    assert list(inter.get_xdata()) == pytest.approx([0.0096 * step for step in range(1, 7)])
+    assert list(inter.get_ydata()) == list(total.get_ydata())  # the same losses, at the other bytes
+    assert inter.get_linestyle() == ":" and inter.get_markerfacecolor() == "none"
+    assert inter.get_color() == total.get_color()
+    link = [line for line in by_bytes.get_lines() if line.get_label().startswith("_")]  # not in the legend
+    assert [list(line.get_xdata()) for line in link] == [pytest.approx([0.0096 * 6, 1.2056 * 6])]
+    assert by_bytes.get_xlabel() == "cumulative Tx MB per worker (payload; 1 MB = 1e6 bytes)"
+    assert by_bytes.get_ylabel() == "train loss (absolute)"  # no floor is known for training batches
+
+
+@pytest.mark.parametrize("crowd", [2, 6, 9])
+def test_point_labels_never_overlap_a_label_or_a_marker_and_stay_in_the_axes(tmp_path, monkeypatch, crowd):
+    """Issue 26: the labels of MuLoCo 2-bit EF and Streaming DiLoCo, two near points, overlapped."""
+    runs = [record("MuLoCo 2-bit EF", "muloco", 0.0039, 3.10), record("Streaming DiLoCo", "streaming_diloco",
+                                                                        0.0040, 3.101)]
+    runs += [record(f"DeMo k={2 ** i}", "demo", 0.01 * (1 + i * 0.02), 3.0 + i * 0.001) for i in range(crowd - 2)]
     fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    fig.canvas.draw()  # the Agg renderer: boxes as saved
     renderer = fig.canvas.get_renderer()
-    boxes = [text.get_window_extent(renderer) for text in fig.axes[0].texts]
-    assert len(boxes) == 6
+    boxes = [text.get_window_extent(renderer) for text in ax.texts]
+    assert len(boxes) == crowd
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    inside = ax.get_window_extent(renderer)
+    assert all(inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+               for box in boxes)
+    # no label covers the centre of any point
+    centres = [ax.transData.transform(xy) for c in ax.collections for xy in c.get_offsets()]
+    assert not any(box.contains(*centre) for box in boxes for centre in centres)
 
 
 def test_losses_are_drawn_over_a_shared_bayes_floor(tmp_path, monkeypatch):
@@ -233,9 +282,14 @@ def test_losses_are_drawn_over_a_shared_bayes_floor(tmp_path, monkeypatch):
     assert ax.get_ylabel() == "final validation loss \u2212 Bayes floor (2.100)" and ax.get_yscale() == "log"
     ys = sorted(float(c.get_offsets()[0][1]) for c in ax.collections if c.get_offsets().shape[0] == 1)
     assert ys[0] == pytest.approx(0.4) and ys[-1] == pytest.approx(0.8)
+    # the excess spans less than a decade: ticks enough to read it (a log locator labels 1 alone)
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    ticks = [tick for tick in ax.get_yticks() if low <= tick <= high]
+    assert len(ticks) >= 3 and all(label.get_text() for label in ax.get_yticklabels() if low <= label.get_position()[1] <= high)
     runs[1].summary["bayes_floor"] = None  # no floor shared: the loss itself
     fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
-    assert fig.axes[0].get_ylabel() == "final validation loss" and fig.axes[0].get_yscale() == "linear"
+    assert fig.axes[0].get_ylabel() == "final validation loss (absolute)" and fig.axes[0].get_yscale() == "linear"
 
 
 # ----------------------------------------------------------------------------- readers
@@ -475,3 +529,49 @@ def test_every_optimizer_has_a_name_a_marker_and_its_own_colour_in_the_figures(n
     assert name in OPTIMIZER_NAMES and name in FAMILY_MARKERS
     others = {FAMILY_COLORS[other] for other in FAMILY_COLORS if other != name}
     assert FAMILY_COLORS[name] not in others
+
+
+# ----------------------------------------------------------------------------- options
+ANALYSIS_COMMANDS = {"lowcomm-table1": table1_main, "lowcomm-loss-vs-mb": loss_vs_mb_main, "lowcomm-curves": curves_main,
+                     "lowcomm-wallclock": wallclock_main}
+
+
+def _parser_of(main, monkeypatch):
+    """The parser a command builds, caught as it starts to parse."""
+    import argparse
+
+    class Caught(Exception):
+        pass
+
+    caught = []
+
+    def catch(self, *_args, **_kwargs):
+        caught.append(self)
+        raise Caught
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", catch)
+    with pytest.raises(Caught):
+        main([])
+    return caught[0]
+
+
+@pytest.mark.parametrize("command", sorted(ANALYSIS_COMMANDS))
+def test_every_option_of_the_analysis_commands_says_what_it_does(command, monkeypatch):
+    """Issue 26: --title had no help; table1's --formats offered figure formats and wrote none."""
+    parser = _parser_of(ANALYSIS_COMMANDS[command], monkeypatch)
+    options = {action.option_strings[-1]: action for action in parser._actions if action.option_strings}
+    assert not [name for name, action in options.items() if not action.help], command
+    draws = command != "lowcomm-table1"
+    assert ("--formats" in options) == draws and ("--title" in options) == draws
+
+
+def test_table1_given_figure_options_says_where_they_belong(capsys):
+    for option in (["--formats", "png", "svg"], ["--title=mine"]):
+        with pytest.raises(SystemExit):
+            table1_main(["--runs", "nothing*", *option])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error == ("lowcomm-table1: error: lowcomm-table1 writes tables only (STEM.md, STEM.tex, STEM.csv); "
+                         "--formats and --title are for the figures: lowcomm-loss-vs-mb and lowcomm-curves")
+    with pytest.raises(SystemExit):
+        table1_main(["--runs", "nothing*", "--bogus"])
+    assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --bogus")

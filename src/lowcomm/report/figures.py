@@ -39,6 +39,10 @@ FAMILY_MARKERS = {name: strategy.display.marker for name, strategy in STRATEGIES
 FAMILY_COLORS = {name: strategy.display.color for name, strategy in STRATEGIES.items()}
 FORMATS = ("png", "pdf")
 MB = "1 MB = 1e6 bytes"
+# A two-link run's legend entries (FlexDeMo): the curve or point at all of its bytes, and the
+# hollow one at the part of them that crosses between nodes.
+ALL_BYTES = ": all bytes (filled)"
+INTER_NODE = ": inter-node part (hollow, dotted)"
 TX_PER_STEP = f"Tx MB/step per worker (payload; {MB})"
 CUMULATIVE_TX = f"cumulative Tx MB per worker (payload; {MB})"
 
@@ -84,18 +88,30 @@ def shared_floor(runs: list[RunRecord]) -> float | None:
 
 
 def _loss_axis(ax, quantity: str, floor: float | None, values: list[float]) -> None:
-    """The y axis of a loss: with ``floor``, the excess over it (``values`` already less the
-    floor), on a log scale where all are above it, its ticks as plain numbers; without, the
-    loss itself."""
+    """The y axis of a loss, its label saying which it is: with ``floor``, the excess over it
+    (``values`` already less the floor), on a log scale where all are above it; without, the
+    loss itself ("absolute": no floor is known for it, or the runs do not share one)."""
     if floor is None:
-        ax.set_ylabel(quantity)
+        ax.set_ylabel(quantity if "perplexity" in quantity else f"{quantity} (absolute)")
         return
     ax.set_ylabel(f"{quantity} \u2212 Bayes floor ({floor:.3f})")
     if values and min(values) > 0:
         ax.set_yscale("log")
-        plain = mticker.FuncFormatter(lambda value, _position: f"{value:.2g}")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        _log_ticks(ax.yaxis, min(values), max(values))
+
+
+def _log_ticks(axis, low: float, high: float) -> None:
+    """Plain-number ticks on a log axis, enough of them to read every value: less than a decade
+    between ``low`` and ``high`` gets evenly spaced ticks (a log locator would label one or two
+    there, 1 and nothing above it), a wider range 1, 2 and 5 of each decade."""
+    axis.set_major_formatter(mticker.FuncFormatter(lambda value, _position: f"{value:.4g}"))
+    axis.set_minor_formatter(mticker.NullFormatter())
+    if high < 10 * low:  # no minor ticks: their grid lines would fall between the even ticks
+        axis.set_major_locator(mticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+        axis.set_minor_locator(mticker.NullLocator())
+    else:
+        axis.set_major_locator(mticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_minor_locator(mticker.LogLocator(base=10, subs=tuple(range(1, 10))))
 
 
 def _excess(floor: float | None, values: list[float], perplexity: bool = False) -> list[float]:
@@ -122,31 +138,56 @@ def _floor(ax, runs: list[RunRecord], perplexity: bool = False) -> None:
                 color="0.3", va="bottom")
 
 
-def _place_labels(ax, texts: list, marker_radius_pt: float = 5.0) -> None:
-    """Move point labels up, in order of their points' height, until none overlaps another label
-    or another point's marker on the canvas: deterministic, and close to their points."""
+def _place_labels(ax, texts: list, markers: list[tuple[float, float, float]]) -> None:
+    """Put each point label where it overlaps no other label and no marker and stays inside
+    the axes: the first free spot of a fixed list, beside its point first (right, then left,
+    above, then below), then further up and down. Deterministic (labels placed left to right);
+    a label with no free spot takes the one it overlaps least. ``markers``: ``(x, y, radius in
+    points)`` in data coordinates, every marker drawn."""
     if not texts:
         return
     from matplotlib.transforms import Bbox
 
-    fig = ax.figure
-    renderer = fig.canvas.get_renderer()
-    pixels_per_point = fig.dpi / 72.0
-    radius = marker_radius_pt * pixels_per_point
-    anchors = [ax.transData.transform(text.xy) for text in texts]
-    markers = [Bbox.from_extents(x - radius, y - radius, x + radius, y + radius) for x, y in anchors]
-    placed: list = []
-    for index in sorted(range(len(texts)), key=lambda i: (anchors[i][1], anchors[i][0])):
-        text = texts[index]
-        others = [box for i, box in enumerate(markers) if i != index]
-        for _ in range(200):
+    ax.figure.canvas.draw()  # the axes' final limits, which place the points on the canvas
+    renderer = ax.figure.canvas.get_renderer()
+    scale = ax.figure.dpi / 72.0  # pixels per point
+    inside = ax.get_window_extent(renderer)
+    obstacles = []
+    for x, y, radius in markers:
+        px, py = ax.transData.transform((x, y))
+        obstacles.append(Bbox.from_extents(px - radius * scale, py - radius * scale, px + radius * scale,
+                                           py + radius * scale))
+    for text in sorted(texts, key=lambda text: tuple(ax.transData.transform(text.xy))):
+        text.set(ha="left", va="bottom")
+        text.xyann = (0, 0)
+        size = text.get_window_extent(renderer)
+        width, height = size.width / scale, size.height / scale
+        costs = []  # (outside the axes, area overlapped): a free spot is (False, 0)
+        for offset in _label_spots(width, height):
+            text.xyann = offset
             box = text.get_window_extent(renderer)
-            clash = next((other for other in [*placed, *others] if box.overlaps(other)), None)
-            if clash is None:
+            costs.append(((not _within(box, inside), sum(_overlap(box, other) for other in obstacles)), offset))
+            if costs[-1][0] == (False, 0):
                 break
-            x, y = text.xyann
-            text.xyann = (x, y + (clash.y1 - box.y0 + 1) / pixels_per_point)
-        placed.append(text.get_window_extent(renderer))
+        text.xyann = min(costs, key=lambda cost: cost[0])[1]
+        obstacles.append(text.get_window_extent(renderer))
+
+
+def _label_spots(width: float, height: float, gap: float = 5.0) -> list[tuple[float, float]]:
+    """Offsets (points) of a label's lower-left corner from its point, nearest first."""
+    spots = []
+    for rise in range(12):
+        for dx in (gap, -gap - width):
+            spots += [(dx, 2.0 + rise * height * 0.75), (dx, -2.0 - height - rise * height * 0.75)]
+    return spots
+
+
+def _overlap(a, b) -> float:
+    return max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0)) * max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
+
+
+def _within(box, outer) -> bool:
+    return box.x0 >= outer.x0 and box.x1 <= outer.x1 and box.y0 >= outer.y0 and box.y1 <= outer.y1
 
 
 def _ema(values: list[float], smoothing: float) -> list[float]:
@@ -170,7 +211,7 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
     prefix = "" if key == "train/loss" else key.replace("/loss", "").replace("/", "_") + "_"
     quantity = key.replace("/", " ").replace("loss", "perplexity" if perplexity else "loss")
     floor = shared_floor(runs) if key.startswith("val/") and not perplexity else None
-    labels = [label + _inter_node_note(run) for run, label in zip(runs, distinct_labels(runs), strict=True)]
+    labels = distinct_labels(runs)
     colors = run_colors(runs)
     written = []
     for stem, xlabel in (("loss_vs_step", "optimizer step"), ("loss_vs_cum_MB", CUMULATIVE_TX)):
@@ -185,8 +226,12 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
             if perplexity:
                 y = [math.exp(v) for v in y]
             plotted += y
-            ax.plot(x, y, marker=FAMILY_MARKERS.get(run.optimizer, "."), markevery=max(len(x) // 6, 1),
-                    ms=5, lw=1.4, label=label, color=colors[id(run)])
+            split = stem == "loss_vs_cum_MB" and _splits(run)
+            style = {"marker": FAMILY_MARKERS.get(run.optimizer, "."), "markevery": max(len(x) // 6, 1), "ms": 5,
+                     "color": colors[id(run)]}
+            ax.plot(x, y, lw=1.4, label=f"{label}{ALL_BYTES if split else ''}", **style)
+            if split:
+                _inter_node_curve(ax, run.cumulative_mb_at(steps, inter_node=True), x, y, label, style)
         _loss_axis(ax, quantity + (f" (EMA {smoothing:g})" if smoothing else ""), floor, plotted)
         if key.startswith("val/") and floor is None:
             _floor(ax, runs, perplexity)
@@ -201,11 +246,21 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
     return written
 
 
-def _inter_node_note(run: RunRecord) -> str:
-    """A two-link run's legend note: the part of its bytes that crosses between nodes."""
-    if not run.two_links or not run.inter_node_payload_mb_per_step:
-        return ""
-    return f" (inter-node {run.inter_node_payload_mb_per_step:.3g} of {run.payload_mb_per_step:.4g} MB/step)"
+def _splits(run: RunRecord) -> bool:
+    """Whether a run has two links with bytes on the inter-node one: drawn twice, at all of its
+    bytes and at its inter-node part (the same rule as :func:`loss_mb_points`)."""
+    return run.two_links and bool(run.inter_node_payload_mb_per_step)
+
+
+def _inter_node_curve(ax, inter: list[float], total: list[float], y: list[float], label: str, style: dict) -> None:
+    """A two-link run's curve again at its inter-node bytes: thin and dotted, hollow markers of
+    its colour, its last point joined to the last point of the curve at all of its bytes (as the
+    two points of :func:`plot_loss_vs_mb` are)."""
+    keep = [i for i, mb in enumerate(inter) if mb > 0]  # a log axis: from the first inter-node send
+    ax.plot([inter[i] for i in keep], [y[i] for i in keep], lw=0.9, ls=":", mfc="none", label=f"{label}{INTER_NODE}",
+            **style)
+    if keep:
+        ax.plot([inter[-1], total[-1]], [y[-1]] * 2, lw=0.6, ls=":", color=style["color"])
 
 
 def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_vs_mb", mb: str = "payload",
@@ -214,7 +269,8 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     """Final validation loss (``perplexity``: its exponential; else the excess over a shared
     Bayes floor) against MB/step of each run, log x, with the Pareto front as a staircase through
     its runs (lower left is better). A two-link run's inter-node bytes are a hollow marker linked
-    to it; point labels are moved apart until none overlaps another.
+    to it by a dotted line; point labels are placed where none overlaps another label or a
+    marker (:func:`_place_labels`).
 
     Returns the files written and the runs left out with the reason (no numbers yet, diverged,
     nothing sent)."""
@@ -231,13 +287,13 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
         name = OPTIMIZER_NAMES.get(family, family)
         ax.scatter([p.mb_per_step for p in members], [y[id(p)] for p in members], s=60, zorder=3, marker=marker,
                    color=[colors[id(p.run)] for p in members],
-                   label=f"{name}: all bytes (filled), inter-node part (hollow)" if split else name)
-        for point in split:
+                   label=name + (ALL_BYTES if split else ""))
+        for index, point in enumerate(split):
             color = colors[id(point.run)]
             ax.plot([point.inter_node_mb, point.mb_per_step], [y[id(point)]] * 2, color=color, lw=0.8, ls=":",
                     zorder=2)
             ax.scatter([point.inter_node_mb], [y[id(point)]], s=60, zorder=3, marker=marker, facecolors="none",
-                       edgecolors=[color])
+                       edgecolors=[color], label=None if index else name + INTER_NODE)
     front = pareto_runs(points)
     if front:
         # Between two front runs the best loss reachable for the bytes is the cheaper run's:
@@ -259,7 +315,12 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     if annotate:
         texts = [ax.annotate(labels[id(point.run)], (point.mb_per_step, y[id(point)]), textcoords="offset points",
                              xytext=(5, 4), fontsize=7) for point in points]
-        _place_labels(ax, texts)
+        # every marker's radius in points (scatter's s is its area in points squared), the
+        # front's rings the widest
+        on_front = {id(p) for p in front}
+        markers = [(p.mb_per_step, y[id(p)], 0.5 * math.sqrt(150 if id(p) in on_front else 60)) for p in points]
+        markers += [(p.inter_node_mb, y[id(p)], 0.5 * math.sqrt(60)) for p in points if p.inter_node_mb is not None]
+        _place_labels(ax, texts, markers)
     return _save(fig, out_dir, stem, formats), skipped
 
 
@@ -274,7 +335,7 @@ def plot_loss_vs_wallclock(panels: list[tuple[str, list[Timeline]]], labels: lis
     colors = run_colors(runs)
     floor = shared_floor(runs)
     plotted: list[float] = []
-    for ax, (title, timelines) in zip(axes[0], panels, strict=True):
+    for ax, (panel, timelines) in zip(axes[0], panels, strict=True):
         for item, label in zip(timelines, labels, strict=True):
             points = item.val_points()
             if not points:
@@ -285,7 +346,7 @@ def plot_loss_vs_wallclock(panels: list[tuple[str, list[Timeline]]], labels: lis
                     marker=FAMILY_MARKERS.get(item.run.optimizer, "."), color=colors[id(item.run)])
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(mticker.NullFormatter())  # decades only: minor labels collide
-        ax.set_title(title, fontsize=9)
+        ax.set_title(panel, fontsize=9)
         ax.set_xlabel("estimated wall-clock time (s)")
         ax.grid(alpha=0.3, which="both")
         if target is not None and floor is not None:
@@ -323,9 +384,13 @@ def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *,
                            [max(values[i]) for i in keep])
         color = colors[id(first)]
         plotted += low
-        ax.plot(x, mean, marker=FAMILY_MARKERS.get(first.optimizer, "."), ms=4, lw=1.4, color=color,
-                label=f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''}){_inter_node_note(first)}")
+        label = f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
+        style = {"marker": FAMILY_MARKERS.get(first.optimizer, "."), "ms": 4, "color": color}
+        ax.plot(x, mean, lw=1.4, label=label + (ALL_BYTES if _splits(first) else ""), **style)
         ax.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
+        if _splits(first):
+            inter = first.cumulative_mb_at([steps[i] for i in keep], inter_node=True)
+            _inter_node_curve(ax, inter, x, mean, label, style)
     ax.set_xscale("log")
     ax.set_xlabel(CUMULATIVE_TX)
     _loss_axis(ax, "validation loss (mean over seeds; band: min to max)", floor, plotted)

@@ -149,14 +149,16 @@ class RunRecord:
         steps = sorted(by_step)
         return steps, [by_step[s] for s in steps]
 
-    def cumulative_mb_at(self, steps: list[int]) -> list[float]:
-        """Cumulative payload MB at each of ``steps`` (the x axis of loss-vs-MB curves).
+    def cumulative_mb_at(self, steps: list[int], *, inter_node: bool = False) -> list[float]:
+        """Cumulative payload MB at each of ``steps`` (the x axis of loss-vs-MB curves); with
+        ``inter_node``, the part of it that crossed between nodes (a run with two links).
 
         Exact at the steps that logged it; in between (an evaluation logged on its own line)
         linearly interpolated, which is exact for a constant payload per step."""
-        logged_steps, cumulative = self.series("comm/cum_payload_MB")
+        key = "comm/cum_inter_payload_MB" if inter_node and self.two_links else "comm/cum_payload_MB"
+        logged_steps, cumulative = self.series(key)
         if not logged_steps:
-            raise ValueError(f"{self.path}: metrics.jsonl has no comm/cum_payload_MB")
+            raise ValueError(f"{self.path}: metrics.jsonl has no {key}")
         return [float(v) for v in np.interp(steps, logged_steps, cumulative)]
 
     def eval_result(self, step: int | None = None) -> tuple[int, dict[str, Any]] | None:
