@@ -38,6 +38,9 @@ COLUMNS = (
     Column("piqa_acc_norm", "PIQA acc_norm", 3),
     Column("tx_MB_per_step", "Tx MB/step", None),
 )
+# Beside Tx MB/step where a run has two links (FlexDeMo): the part of it that crosses between
+# nodes, so that the table marks both of its numbers, as the figures do. Not a paper column.
+INTER_NODE = Column("inter_node_tx_MB_per_step", "inter-node Tx MB/step", None)
 
 
 @dataclass
@@ -55,7 +58,8 @@ class Table1Row:
     final_step: int | None = None
     eval_step: int | None = None
     ring_tx_mb_per_step: float | None = None  # bytes sent under the ring algorithm, for the CSV
-    # a run with two links (FlexDeMo): the part of its Tx MB/step that crosses between nodes
+    # the part of its Tx MB/step that crosses between nodes: a run with two links (FlexDeMo) sends
+    # the rest inside a node; a run with one link, all of it on that link
     inter_node_mb_per_step: float | None = None
 
 
@@ -65,24 +69,38 @@ class Table1:
     notes: list[str]  # what a reader must know about the numbers (partial runs, eval splits)
     loss: str = "val"  # which of our losses the final-loss column holds: "val" or "train"
 
+    @property
+    def two_links(self) -> bool:
+        """Whether a run sends part of its bytes inside a node: then the table has the
+        inter-node column too."""
+        return any(row.inter_node_mb_per_step is not None and row.inter_node_mb_per_step != row.values.get(
+            "tx_MB_per_step") for row in self.rows)
+
+    def _inter_node(self, row: Table1Row) -> list[str]:
+        return [format_value(row.inter_node_mb_per_step, INTER_NODE)] if self.two_links else []
+
     def to_markdown(self) -> str:
         """Each cell ``ours (paper)``; the notes follow as a list."""
         header = ["Model", "Optimizer", "chunk", "k", *(column.title for column in COLUMNS)]
+        header += [INTER_NODE.title] if self.two_links else []
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for row in self.rows:
             cells = [row.model, row.label, _int(row.chunk), _int(row.topk)]
-            cells += [_pair(row, column) for column in COLUMNS]
+            cells += [_pair(row, column) for column in COLUMNS] + self._inter_node(row)
             lines.append("| " + " | ".join(cells) + " |")
         loss = "validation loss" if self.loss == "val" else "last logged training loss"
         caption = (f"Cells: ours (the paper's). Final loss: our final {loss}, the paper's final training "
-                   "loss. Tx MB/step: payload per worker per step, MB = 1e6 bytes. "
-                   "Benchmarks zero-shot, ours ± standard error (n documents).")
+                   "loss. Tx MB/step: payload per worker per step, all of its bytes, MB = 1e6 bytes"
+                   + ("; inter-node: the part of it that crosses between nodes (a run with one link sends all "
+                      "of it there)" if self.two_links else "")
+                   + ". Benchmarks zero-shot, ours ± standard error (n documents).")
         return "\n".join([*lines, "", caption, *(f"- {note}" for note in self.notes)])
 
     def to_latex(self) -> str:
         """A booktabs ``tabular``; the paper's numbers in parentheses after ours."""
-        spec = "llrr" + "r" * len(COLUMNS)
-        header = ["Model", "Optimizer", "chunk", "$k$", *(_latex_escape(c.title) for c in COLUMNS)]
+        columns = [*COLUMNS, INTER_NODE] if self.two_links else list(COLUMNS)
+        spec = "llrr" + "r" * len(columns)
+        header = ["Model", "Optimizer", "chunk", "$k$", *(_latex_escape(c.title) for c in columns)]
         lines = [f"\\begin{{tabular}}{{{spec}}}", "\\toprule", " & ".join(header) + " \\\\", "\\midrule"]
         previous_model = None
         for row in self.rows:
@@ -91,6 +109,7 @@ class Table1:
             previous_model = row.model
             cells = [_latex_escape(row.model), _latex_escape(row.label), _int(row.chunk), _int(row.topk)]
             cells += [_pair(row, column, paper_format="{{\\small ({})}}", plus_minus="$\\pm$") for column in COLUMNS]
+            cells += self._inter_node(row)
             lines.append(" & ".join(cells) + " \\\\")
         lines += ["\\bottomrule", "\\end{tabular}"]
         return "\n".join(lines)
@@ -140,11 +159,11 @@ def build_table1(runs: list[RunRecord], paper_rows: list[PaperRow] | None = None
                         ring_tx_mb_per_step=run.tx_mb_per_step)
         row.values["final_loss"] = run.final_val_loss if loss == "val" else run.final_train_loss
         row.values["tx_MB_per_step"] = run.payload_mb_per_step
+        row.inter_node_mb_per_step = run.inter_node_payload_mb_per_step
         if run.two_links and run.inter_node_payload_mb_per_step is not None:
-            row.inter_node_mb_per_step = run.inter_node_payload_mb_per_step
             notes.append(f"{label}: Tx MB/step counts all of its bytes ({run.payload_mb_per_step:.4g}); "
                          f"{run.inter_node_payload_mb_per_step:.3g} of them cross between nodes, the rest stays "
-                         "inside a node (CSV: inter_node_tx_MB_per_step; the figures mark both)")
+                         "inside a node (the inter-node column; the figures mark both)")
         row.paper = match_paper_row(paper_rows, run.model, run.optimizer, run.chunk, run.topk)
         if run.diverged:
             notes.append(f"{run.path}: diverged at step {run.diverged['step']} ({run.diverged['reason']}): "
