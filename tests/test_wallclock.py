@@ -198,14 +198,24 @@ def test_streaming_diloco_hides_its_whole_exchange_when_it_all_gathers_or_sends_
         assert strategy.comm_overlap(cfg, 155_648) == pytest.approx(1 / 5)
 
 
-def test_the_command_prints_the_time_to_target_per_link_and_draws_one_panel_each(tmp_path, capsys):
+def test_the_command_prints_the_time_to_target_per_link_and_draws_one_panel_each(tmp_path, capsys, monkeypatch):
     summary = {"tokens_per_s": 4096, "bayes_floor": FLOOR, "world_size": 4, "final_val_loss": 2.5}
     _write_run(tmp_path / "runs" / "a", _config("optimizer=diloco", "optimizer.sync_every=2",
                                                 "train.global_batch_size=16", "train.seq_len=128",
                                                 "label=DiLoCo"), _sync_every_two(), summary)
+    import matplotlib.pyplot as plt
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
     code = wallclock_main(["--runs", str(tmp_path / "runs" / "*"), "--link", "lab:8M:100ms", "--link", "ib:100G:5us",
-                           "--target-excess", "0.75", "--out", str(tmp_path / "out"), "--formats", "png"])
+                           "--target-excess", "0.75", "--out", str(tmp_path / "out"), "--formats", "png",
+                           "--title", "my sweep"])
     assert code == 0
+    # --title is the figure's; each panel keeps its link's (the last link's once stood for both)
+    assert closed[-1]._suptitle.get_text() == "my sweep"
+    assert [ax.get_title() for ax in closed[-1].axes] == ["lab (8 Mbit/s, 100 ms per message)",
+                                                          "ib (100 Gbit/s, 5 µs per message)"]
+    assert closed[-1].axes[0].get_ylabel() == f"validation loss \u2212 Bayes floor ({FLOOR:.3f})"
     printed = capsys.readouterr().out
     assert "lab (8 Mbit/s, 100 ms per message)" in printed and "ib (100 Gbit/s, 5 µs per message)" in printed
     assert "| DiLoCo | 4 | 0.5 | 0.65 | 0.00 | 4.6 s | 4.6 s |" in printed

@@ -81,7 +81,13 @@ def table1_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-paper-rows", action="store_true",
                         help="also list the paper's rows (for the runs' models) that no run reproduces")
     parser.add_argument("--stem", default="table1", help="output file names: STEM.md, STEM.tex, STEM.csv")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if any(arg.split("=")[0] in ("--formats", "--title") for arg in unknown):
+        # the figure commands' options: say where they belong instead of "unrecognized arguments"
+        parser.error("lowcomm-table1 writes tables only (STEM.md, STEM.tex, STEM.csv); --formats and --title are "
+                     "for the figures: lowcomm-loss-vs-mb and lowcomm-curves")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     from lowcomm.report.paper import load_paper_table1, paper_table1_path
     from lowcomm.report.table1 import build_table1
 
