@@ -46,6 +46,7 @@ from lowcomm.hardware import H100_BF16_PEAK_FLOPS as DEFAULT_PEAK_FLOPS
 from lowcomm.hardware import TYPICAL_MFU as DEFAULT_MFU
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt, stopped_between_runs
 from lowcomm.paths import repo_root
+from lowcomm.units import decimal_bytes, slurm_time
 
 if TYPE_CHECKING:
     from lowcomm.config import RunConfig
@@ -64,10 +65,6 @@ def _read_queue() -> tuple[Queue | None, str]:
         return Queue.read(), ""
     except SlurmUnavailable as exc:
         return None, str(exc).splitlines()[-1]
-
-
-def _duration(minutes: int) -> str:
-    return f"{minutes // 60}:{minutes % 60:02d}:00"
 
 
 def _fields(values: dict) -> str:
@@ -165,13 +162,6 @@ def _jobs(count: int) -> str:
 
 def _gpu_hours(plans: Sequence[JobPlan]) -> float:
     return sum(plan.gpu_hours or 0.0 for plan in plans)
-
-
-def _bytes(count: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if count >= size:
-            return f"{count / size:,.1f} {unit}"
-    return f"{count:,.0f} B"
 
 
 def _seconds(seconds: float) -> str:
@@ -278,7 +268,7 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         asked = ""
         if submission.action == "submitted":
             submitted_hours += job_plan.gpu_hours or 0.0
-            asked = f" (time limit {_duration(job_plan.time_limit_min)})"
+            asked = f" (time limit {slurm_time(job_plan.time_limit_min)})"
         print(f"[{number:>{width}}/{len(planned)}] {job.run.label}: {job.run.run_name}: {submission.describe()}"
               f"{asked}", flush=True)
     only = f" --only {','.join(str(number) for number, _job, _plan in jobs)}" if args.only else ""
@@ -295,8 +285,8 @@ def _plan_table(jobs: list[tuple[int, PlannedRun, JobPlan]]) -> list[str]:
         rows.append((
             str(number), job.run.label, "-" if plan.gpu_hours is None else f"{plan.gpu_hours:,.1f}",
             f"{plan.checkpoints} x {_seconds(plan.checkpoint.write_s)} = {_seconds(plan.checkpoint_s)}",
-            _duration(plan.time_limit_min) + (" (capped)" if plan.capped else ""), str(plan.run.cluster.nodes),
-            _bytes(plan.scratch_bytes),
+            slurm_time(plan.time_limit_min) + (" (capped)" if plan.capped else ""), str(plan.run.cluster.nodes),
+            decimal_bytes(plan.scratch_bytes),
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     right = {0, 2, 5, 6}
@@ -351,7 +341,7 @@ def _dry_run(sweep: Sweep, count: int, jobs: list[tuple[int, PlannedRun, JobPlan
     training = sum(plan.estimate.gpu_hours or 0.0 for plan in plans)
     print(f"total: {_jobs(len(jobs))}, {_gpu_hours(plans):,.1f} GPU-hours ({training:,.1f} training + "
           f"{_gpu_hours(plans) - training:,.1f} writing {sum(plan.checkpoints for plan in plans)} checkpoints, "
-          f"{_seconds(checkpoint_s)} in all), scratch {_bytes(sum(plan.scratch_bytes for plan in plans))} at the "
+          f"{_seconds(checkpoint_s)} in all), scratch {decimal_bytes(sum(plan.scratch_bytes for plan in plans))} at the "
           f"peak (keep_checkpoints + 1 each); to submit: {_jobs(len(to_submit))}, {_gpu_hours(to_submit):,.1f} GPU-hours")
     for count_of, what in (
         (sum(not plan.checkpoint.fits for plan in plans), "cannot write a checkpoint within the preemption lead time"),

@@ -29,6 +29,7 @@ from typing import TextIO
 import numpy as np
 
 from lowcomm.data.memmap import DTYPES, DataError
+from lowcomm.units import decimal_bytes
 
 # Bumped when what a scan records changes: older cache entries are then scanned again.
 SCAN_VERSION = 1
@@ -103,8 +104,8 @@ class ScanProgress:
         left = (self.total_bytes - self.done_bytes) / rate if rate > 0 else float("inf")
         total = max(self.total_bytes, self.done_bytes)
         line = (f"[lowcomm] scanning data, file {self.file_index} of {self.files} ({self._path}): "
-                f"{_size(self.done_bytes)} of {_size(total)} ({100 * self.done_bytes / max(total, 1):.0f}%) "
-                f"at {_size(rate)}/s, ~{max(left, 0):.0f} s left")
+                f"{decimal_bytes(self.done_bytes)} of {decimal_bytes(total)} ({100 * self.done_bytes / max(total, 1):.0f}%) "
+                f"at {decimal_bytes(rate)}/s, ~{max(left, 0):.0f} s left")
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()
         self.shown = True
@@ -113,13 +114,6 @@ class ScanProgress:
         if self.shown and self.tty:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def _size(n_bytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.1f} {unit}"
-    return f"{n_bytes:.0f} B"
 
 
 def scan_file(path: Path, dtype: str, *, cache_dir: Path | None = None,

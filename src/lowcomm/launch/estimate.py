@@ -16,6 +16,7 @@ from lowcomm.comm import Communicator
 from lowcomm.config import RunConfig, TrainSpec
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS, TYPICAL_MFU
 from lowcomm.models import build_model, count_parameters
+from lowcomm.units import slurm_time
 
 DEFAULT_PEAK_FLOPS = H100_BF16_PEAK_FLOPS
 DEFAULT_MFU = TYPICAL_MFU
@@ -156,11 +157,6 @@ def checkpoint_count(train: TrainSpec) -> int:
     return math.ceil(train.max_steps / train.checkpoint_every)
 
 
-def _duration(minutes: float) -> str:
-    minutes = math.ceil(minutes)
-    return f"{minutes // 60}:{minutes % 60:02d}:00"
-
-
 @dataclass(frozen=True)
 class JobPlan:
     """One run as a SLURM job: what it costs (GPU-hours, checkpoint time, scratch space) and the
@@ -214,13 +210,13 @@ class JobPlan:
         """The time limit asked for, and why."""
         cluster = self.run.cluster
         if self.needed_min is None:
-            return f"{_duration(self.time_limit_min)} (cluster.timeout_min: no GPUs, no time estimate)"
+            return f"{slurm_time(self.time_limit_min)} (cluster.timeout_min: no GPUs, no time estimate)"
         why = (f"{self.estimate.wall_hours:,.2f} h of training x {TIME_MARGIN:g} + {self.checkpoints} checkpoints "
                f"x {self.checkpoint.write_s:,.0f} s + {STARTUP_MIN} min start-up = {self.needed_min / 60:,.2f} h")
         if not self.capped:
-            return f"{_duration(self.time_limit_min)} on {cluster.nodes} nodes ({why}, rounded up)"
-        text = (f"{_duration(self.time_limit_min)} on {cluster.nodes} nodes: needs {self.needed_min / 60:,.1f} h "
-                f"({why}): capped at {_duration(self.cap_min)} (cluster.timeout_min); it resumes from its "
+            return f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes ({why}, rounded up)"
+        text = (f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes: needs {self.needed_min / 60:,.1f} h "
+                f"({why}): capped at {slurm_time(self.cap_min)} (cluster.timeout_min); it resumes from its "
                 f"checkpoint across {self.requeues} time-out requeue{'s' if self.requeues > 1 else ''}")
         if self.too_few_requeues:
             text += (f"; WARNING: cluster.max_requeues is {cluster.max_requeues}: raise it, or submit again when "

@@ -114,8 +114,9 @@ def _log_ticks(axis, low: float, high: float) -> None:
         axis.set_minor_locator(mticker.LogLocator(base=10, subs=tuple(range(1, 10))))
 
 
-def _excess(floor: float | None, values: list[float], perplexity: bool = False) -> list[float]:
-    return values if floor is None or perplexity else [value - floor for value in values]
+def _excess(floor: float | None, values: list[float]) -> list[float]:
+    """``values`` less ``floor``; unchanged without one (callers pass None for perplexity)."""
+    return values if floor is None else [value - floor for value in values]
 
 
 def _floor(ax, runs: list[RunRecord], perplexity: bool = False) -> None:

@@ -15,7 +15,9 @@ with how it differs from the job as composed here; a job that matches several is
 
 from __future__ import annotations
 
+import functools
 import glob
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +73,9 @@ def sweep_run_dirs(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> l
     return [planned.run.run_dir for planned in _planned(sweep, overrides)]
 
 
+_ABSENT = object()  # a key a config does not have: equal to nothing, None included
+
+
 def _value(config: dict, dotted: str) -> object:
     node: object = config
     for part in dotted.split("."):
@@ -78,9 +83,6 @@ def _value(config: dict, dotted: str) -> object:
             return _ABSENT
         node = node[part]
     return node
-
-
-_ABSENT = object()
 
 
 def _sets(job: PlannedRun) -> dict[str, object]:
@@ -96,14 +98,16 @@ def _sets(job: PlannedRun) -> dict[str, object]:
     return wanted
 
 
-def _by_recorded_config(job: PlannedRun, taken: set[Path]) -> tuple[RunRecord | None, str, list[str]]:
+def _by_recorded_config(job: PlannedRun, taken: set[Path],
+                        load: Callable[[Path], RunRecord]) -> tuple[RunRecord | None, str, list[str]]:
     """The one run under the job's experiment whose recorded config sets what the job sets (and
-    not taken by another job), or None; what to say about the job; the keys they differ in."""
+    not taken by another job), or None; what to say about the job; the keys they differ in.
+    ``load`` reads a run directory (each at most once per selection)."""
     where = job.run.run_dir.parent
     wanted = _sets(job)
     candidates = sorted(path for path in where.iterdir() if path not in taken and RunDir(path).is_run()) \
         if where.is_dir() else []
-    matches = [run for run in map(load_run, candidates)
+    matches = [run for run in map(load, candidates)
                if all(_value(run.config, key) == value for key, value in wanted.items())]
     label = f"job {job.number} ({job.run.label}: {' '.join(job.varying) or 'the base'})"
     if not matches:
@@ -121,12 +125,13 @@ def select_by_sweep(sweep: str, overrides: list[str] | tuple[str, ...] = ()) -> 
     config (module doc); the others listed as missing."""
     planned = _planned(sweep, overrides)
     exact = {job.run.run_dir for job in planned if RunDir(job.run.run_dir).is_run()}
+    load = functools.cache(load_run)  # several jobs look through the same experiment's runs
     selection = Selection([])
     for job in planned:
         if job.run.run_dir in exact:
-            selection.runs.append(load_run(job.run.run_dir))
+            selection.runs.append(load(job.run.run_dir))
             continue
-        run, said, differs = _by_recorded_config(job, exact | {run.path for run in selection.runs})
+        run, said, differs = _by_recorded_config(job, exact | {run.path for run in selection.runs}, load)
         if run is None:
             selection.missing.append(said)
         else:
