@@ -235,3 +235,37 @@ def test_sweep_run_stops_naming_the_job_whose_every_run_diverged(tmp_path, capsy
     assert "[tune] DeMo k=4: lr=0.006 diverged" in captured.out
     assert all(steps == 2 for _label, _lr, steps, _seed in stand_in)  # no final run started
     assert not (tmp_path / "out").exists()
+
+
+def test_sweep_run_only_trains_the_named_jobs_and_the_baseline(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setitem(LANDSCAPES, "DeMo k=1", bowl(0.006))
+    sweep = tmp_path / "three.yaml"
+    sweep.write_text(_sweep_file(tmp_path, "{key: optimizer.lr, factors: [1, 2], overrides: [train.max_steps=2], "
+                                 "widen: 0}").read_text()
+                     .replace("points:\n", "points:\n  - [optimizer=demo, optimizer.lr=6e-3, "
+                                           "optimizer.compression_topk=1, \"label='DeMo k=1'\"]\n"))
+    out = tmp_path / "out"
+
+    assert sweep_cli.main(["run", str(sweep), "--only", "DeMo k=1", "--out", str(out),
+                           *micro_sweep_overrides(tmp_path / "runs")]) == 0
+
+    # DeMo k=4 is not trained; AdamW-DDP is, because the verdicts compare with it
+    assert {label for label, *_ in stand_in} == {"DeMo k=1", "AdamW-DDP"}
+    summary = (out / "summary.md").read_text()
+    assert "| DeMo k=1 |" in summary and "| AdamW-DDP |" in summary and "DeMo k=4" not in summary
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only", "DeMo k=4"], "--only writes a table of some of s's jobs: give --out DIR"),
+    (["--only", "DeMo k=5", "--out", "x"], "--only: 'DeMo k=5' labels no job (did you mean DeMo k=4?); "
+                                            "the jobs of s: 'AdamW-DDP', 'DeMo k=4'"),
+])
+def test_sweep_run_only_refuses_a_label_of_no_job_and_a_missing_out(tmp_path, capsys, stand_in, argv, message):
+    sweep = _sweep_file(tmp_path, "{key: optimizer.lr, factors: [1, 2], overrides: [train.max_steps=2]}")
+
+    with pytest.raises(SystemExit) as exit_info:
+        sweep_cli.main(["run", str(sweep), *argv, *micro_sweep_overrides(tmp_path / "runs")])
+
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert stand_in == []

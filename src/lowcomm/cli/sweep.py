@@ -553,7 +553,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     at a time where the best sits at an edge (:func:`_tune_phase`), then each at its best value
     (lowest final validation loss, never a diverged run) once per seed; then the seed table is
     written."""
-    from lowcomm.config.sweep import choose_baseline, final_jobs, load_sweep
+    from lowcomm.config.sweep import choose_baseline, final_jobs, load_sweep, select_jobs
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
     from lowcomm.report.seeds import seed_groups, seed_rows, seed_table
@@ -563,6 +563,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         sweep = load_sweep(args.sweep)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
+    if args.only and args.out is None:
+        parser.exit(2, f"{PROG}: --only writes a table of some of {sweep.name}'s jobs: give --out DIR, so that it "
+                       f"does not replace the table of all of them in results/{sweep.name}\n")
     started = time.perf_counter()
     out = args.out or repo_root() / "results" / sweep.name
     chosen, tuned = None, None
@@ -570,6 +573,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # of a valid one): a bad seed, budget or baseline is named now, not after the runs before it.
     try:
         baseline = choose_baseline(sweep, _plan_jobs(parser, sweep, final_jobs(sweep), args.overrides), args.baseline)
+        if args.only:
+            sweep = select_jobs(sweep, args.only, keep=baseline)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: {exc}\n")
     if sweep.tune is not None:
@@ -663,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("sweep", help="a sweep name (sweeps/NAME.yaml) or a sweep file")
     run.add_argument("overrides", nargs="*", help="Hydra overrides added to every job, e.g. run_root=/scratch/runs")
     run.add_argument("--out", type=Path, help="where the table and figure go (default: results/<sweep>)")
+    run.add_argument("--only", action="append", metavar="LABEL",
+                     help="only the jobs with these labels (repeat it or give a comma list) and the baseline, whose "
+                          "runs the verdicts need; needs --out")
     run.add_argument("--baseline", metavar="LABEL",
                      help="the label of the job every job is compared with (default: the sweep file's baseline, "
                           "else its AdamW-DDP job)")

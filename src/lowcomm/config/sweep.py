@@ -47,6 +47,7 @@ on SLURM, ``make quickstart`` on this machine.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -362,6 +363,21 @@ def _job_label(job: Sequence[str]) -> str | None:
         if override.startswith("label="):
             return override.split("=", 1)[1].strip("'\"")
     return None
+
+
+def select_jobs(sweep: Sweep, labels: Sequence[str], keep: str | None = None) -> Sweep:
+    """The sweep with only the jobs ``labels`` name (comma lists allowed), plus the job labelled
+    ``keep`` (the baseline a seed table compares with: its verdicts need it). Raises ValueError
+    naming every label that names no job, with the sweep's labels."""
+    by_label = {_job_label(job): job for job in sweep.jobs}
+    wanted = list(dict.fromkeys(part.strip() for value in labels for part in value.split(",") if part.strip()))
+    unknown = [label for label in wanted if label not in by_label]
+    if unknown or not wanted:
+        named = "; ".join(f"{label!r} labels no job{did_you_mean(label, [str(k) for k in by_label])}"
+                          for label in unknown) or "no label given"
+        raise ValueError(f"--only: {named}; the jobs of {sweep.name}: {', '.join(repr(k) for k in by_label)}")
+    chosen = set(wanted) | ({keep} if keep is not None else set())
+    return dataclasses.replace(sweep, jobs=[job for job in sweep.jobs if _job_label(job) in chosen])
 
 
 def _composed(job: Sequence[str]) -> dict | None:
