@@ -13,9 +13,10 @@ that optimizer's whole-step cost against the baseline's:
 
 lowcomm's number comes from its own ``perf/tokens_per_s`` metric over the timed window (the
 loop with metering, schedule and logging; on CUDA its clock synchronises the device); the bare
-loop is timed around the same steps. MFU is 6 x parameters x tokens/s over the peak FLOP/s of
-all workers (``--peak-flops`` per worker; H100 SXM dense bf16 by default on CUDA, none on
-CPU). Peak memory is per worker: torch's peak allocation on CUDA, the peak resident set on CPU.
+loop is timed around the same steps. MFU is FLOPs per token x tokens/s over the peak FLOP/s of
+all workers (``--peak-flops`` per worker; on CUDA the GPU's dense bf16 peak by its name, else
+the H100's; none on CPU), with FLOPs per token counted both ways the field does
+(:class:`lowcomm.models.FlopsPerToken`): 6 x parameters, and OLMo-core's formula with attention. Peak memory is per worker: torch's peak allocation on CUDA, the peak resident set on CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-H100_PEAK_FLOPS = 989e12  # dense bf16 tensor cores, SXM
+from lowcomm.hardware import H100_BF16_PEAK_FLOPS, bf16_peak_flops
+
 _OPTIMIZER_KEYS = ("optimizer", "compression")  # overrides that pick lowcomm's optimizer, not the baseline's
 
 
@@ -128,7 +130,7 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
     from lowcomm.config import validate
     from lowcomm.config.compose import compose
     from lowcomm.data import open_data
-    from lowcomm.models import build_model, count_parameters
+    from lowcomm.models import build_model, count_parameters, flops_per_token
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -158,9 +160,11 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
         ours.append(_lowcomm_loop(run))
         our_memory.append(_peak_memory_mb(device))
         torch.distributed.barrier()
+    parameters = count_parameters(build_model(run.model, "meta"))
     return {"bare": bare, "lowcomm": ours, "run": run.run_name, "tokens_per_step":
             run.train.global_batch_size * run.train.seq_len, "memory_bare": max(bare_memory),
-            "memory_lowcomm": max(our_memory), "parameters": count_parameters(build_model(run.model, "meta")),
+            "memory_lowcomm": max(our_memory), "parameters": parameters,
+            "flops_per_token": flops_per_token(run.model, parameters, run.train.seq_len),
             "model": run.model.name, "optimizer": run.optimizer_name}
 
 
@@ -172,13 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU per worker, NCCL, bf16 autocast")
     parser.add_argument("--peak-flops", type=float, default=None,
-                        help=f"peak FLOP/s of one worker for MFU (default on cuda: {H100_PEAK_FLOPS:.4g}, H100)")
+                        help="peak FLOP/s of one worker for MFU (default on cuda: the GPU's dense bf16 peak by its "
+                             f"name, else the H100's {H100_BF16_PEAK_FLOPS:.4g})")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (default: the quickstart's tiny model)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < args.workers:
         parser.error(f"--device cuda needs one GPU per worker: {args.workers} workers, "
                      f"{torch.cuda.device_count()} GPUs visible")
-    peak_flops = args.peak_flops or (H100_PEAK_FLOPS if args.device == "cuda" else None)
+    peak_flops = args.peak_flops or (
+        (bf16_peak_flops(torch.cuda.get_device_name(0)) or H100_BF16_PEAK_FLOPS) if args.device == "cuda" else None)
 
     from lowcomm.comm.spawn import spawn_workers
     from lowcomm.config import validate
@@ -197,17 +203,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.workers} {backend} workers, {out['tokens_per_step']} tokens/step, {args.steps} timed steps, "
           f"best of {args.repeats}:")
 
-    def mfu(tokens_per_s: float) -> str:
+    flops = out["flops_per_token"]
+
+    def mfu(tokens_per_s: float, per_token: int) -> str:
         if peak_flops is None:
             return "-"
-        return f"{6 * out['parameters'] * tokens_per_s / (args.workers * peak_flops):.1%}"
+        return f"{per_token * tokens_per_s / (args.workers * peak_flops):.1%}"
 
     memory = max(r["memory_bare"] for r in results), max(r["memory_lowcomm"] for r in results)
-    print(f"  {'loop':<22}{'tokens/s':>12}{'MFU':>8}{'peak MB/worker':>16}   all repeats")
-    print(f"  {'bare PyTorch DDP':<22}{bare:>12,.0f}{mfu(bare):>8}{memory[0]:>16,.0f}   "
-          f"{', '.join(f'{x:,.0f}' for x in out['bare'])}")
-    print(f"  {'lowcomm':<22}{ours:>12,.0f}{mfu(ours):>8}{memory[1]:>16,.0f}   "
-          f"{', '.join(f'{x:,.0f}' for x in out['lowcomm'])}")
+    print(f"  MFU 6N: 6 x parameters = {flops.six_n:,} FLOPs/token; MFU OLMo-core: its num_flops_per_token, "
+          f"attention included = {flops.olmo_core:,} FLOPs/token; peak "
+          + (f"{peak_flops:.4g} FLOP/s per worker" if peak_flops else "unknown on CPU (--peak-flops)"))
+    print(f"  {'loop':<22}{'tokens/s':>12}{'MFU 6N':>9}{'MFU OLMo-core':>15}{'peak MB/worker':>16}   all repeats")
+    for name, best, memory_mb, key in (("bare PyTorch DDP", bare, memory[0], "bare"),
+                                        ("lowcomm", ours, memory[1], "lowcomm")):
+        print(f"  {name:<22}{best:>12,.0f}{mfu(best, flops.six_n):>9}{mfu(best, flops.olmo_core):>15}"
+              f"{memory_mb:>16,.0f}   {', '.join(f'{x:,.0f}' for x in out[key])}")
     print(f"  ratio lowcomm / bare: {ours / bare:.3f}  (target >= 0.95 with optimizer=adamw_ddp)")
     return 0
 

@@ -76,8 +76,13 @@ OPTIMIZERS = {
     "DeMo k=32 one bucket": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.bucket_numel=10000000000"],
     "DiLoCo H=10": ["optimizer=diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
     "FlexDeMo k=32": ["optimizer=flexdemo", "optimizer.lr=6e-3"],  # shard group: the ranks of a node
+    # the overlapped methods beside their blocking selves, at the same bytes (--overlapped)
+    "DeMo k=32 1-bit": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.wire=sign"],
+    "DisTrO k=32 1-bit": ["optimizer=distro", "optimizer.lr=6e-3", "optimizer.compression_topk=32"],
+    "eager DiLoCo H=10": ["optimizer=eager_diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
 }
 ONE_NODE_OPTIMIZERS = ["AdamW-DDP", "DeMo k=32", "DeMo k=32 one bucket", "DiLoCo H=10"]
+OVERLAPPED_OPTIMIZERS = ["DeMo k=32 1-bit", "DisTrO k=32 1-bit", "DiLoCo H=10", "eager DiLoCo H=10"]
 NODES_OPTIMIZERS = ["AdamW-DDP", "DeMo k=32", "FlexDeMo k=32"]  # the FlexDeMo paper's comparison
 PORT = 29781
 # The unshaped link inside a node: its time is already in the unshaped run's measured step time,
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                              "each node's veth shaped, the workers split evenly between them")
     parser.add_argument("--workers", type=int, help=f"gloo workers in all (default {WORLD}; with --nodes: 2 per node)")
     parser.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
+    parser.add_argument("--overlapped", action="store_true",
+                        help=f"the overlapped methods beside their blocking versions at the same bytes: "
+                             f"{', '.join(OVERLAPPED_OPTIMIZERS)}")
     parser.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS),
                         help=f"(default: {', '.join(ONE_NODE_OPTIMIZERS)}; with --nodes: {', '.join(NODES_OPTIMIZERS)})")
     parser.add_argument("--out", type=Path, default=Path("results/wan"), help="tables, JSON and figure")
@@ -262,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         topology, optimizers = Nodes(args.nodes, workers // args.nodes), args.optimizers or NODES_OPTIMIZERS
     else:
         topology, optimizers = OneNode(args.workers or WORLD), args.optimizers or ONE_NODE_OPTIMIZERS
+    if args.overlapped:
+        if args.optimizers:
+            parser.error("--overlapped names its optimizers; give --optimizers or --overlapped, not both")
+        optimizers = OVERLAPPED_OPTIMIZERS
     rates = [parse_bandwidth(text) for text in args.links]
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"world_size": topology.workers, "nodes": args.nodes, "ranks_per_node": topology.ranks_per_node,

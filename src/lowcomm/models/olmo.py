@@ -94,3 +94,29 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", *, seed: in
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token (forward and backward) by the two conventions the field reports
+    MFU with.
+
+    ``six_n``: 6 x parameters (Kaplan et al.), every parameter once.
+    ``olmo_core``: OLMo-core's ``Transformer.num_flops_per_token`` (allenai/OLMo-core,
+    src/olmo_core/nn/transformer/model.py): 6 x the non-embedding parameters + 12 x layers x
+    heads x head dim x sequence length, the attention score and value matmuls (forward 2,
+    backward 4, 2 FLOPs each; causal sparsity not discounted, flash attention's recomputation
+    not counted). The embedding lookup costs no matmul; the output head does, and with weight
+    tying the one matrix is both, so here it counts once, as the head (OLMo-core's models are
+    untied: its head is a non-embedding parameter)."""
+
+    six_n: int
+    olmo_core: int
+
+
+def flops_per_token(spec: ModelSpec, parameters: int, seq_len: int) -> FlopsPerToken:
+    """:class:`FlopsPerToken` of ``spec`` with ``parameters`` parameters at ``seq_len``."""
+    head_dim = spec.d_model // spec.n_heads
+    matmul_parameters = parameters if spec.weight_tying else parameters - spec.embedding_size * spec.d_model
+    attention = 12 * spec.n_layers * spec.n_heads * head_dim * seq_len
+    return FlopsPerToken(six_n=6 * parameters, olmo_core=6 * matmul_parameters + attention)

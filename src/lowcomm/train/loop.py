@@ -23,7 +23,8 @@ from lowcomm.comm import Communicator
 from lowcomm.config import RunConfig
 from lowcomm.data import BatchOrder, open_data, validation_indices
 from lowcomm.distenv import DistEnv
-from lowcomm.models import build_model, count_parameters
+from lowcomm.hardware import bf16_peak_flops
+from lowcomm.models import build_model, count_parameters, flops_per_token
 from lowcomm.rundir import RunDir, list_checkpoints
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
@@ -333,6 +334,7 @@ class Trainer:
         meter, train = self.comm.meter, self.run.train
         steps = max(meter.steps_closed, 1)
         ran = max(final_step - start, 1)
+        tokens_per_s = train.global_batch_size * train.seq_len * ran / max(compute_s, 1e-9)
         return {
             "run_name": self.run.run_name,
             "experiment": self.run.experiment,
@@ -354,8 +356,22 @@ class Trainer:
             "cum_payload_MB": meter.cumulative_bytes("payload") / 1e6,
             # the largest payload of a single step: what a link must carry at once
             "comm/peak_MB": meter.peak_step_payload / 1e6,
-            "tokens_per_s": train.global_batch_size * train.seq_len * ran / max(compute_s, 1e-9),
+            "tokens_per_s": tokens_per_s,
+            **self._utilisation(tokens_per_s),
         }
+
+    def _utilisation(self, tokens_per_s: float) -> dict[str, float]:
+        """FLOPs per token by both conventions (:class:`lowcomm.models.FlopsPerToken`) and, on a
+        GPU whose bf16 peak is known, the model FLOP utilisation of each: FLOPs per token x
+        tokens/s over every rank's peak."""
+        flops = flops_per_token(self.run.model, self.n_params, self.run.train.seq_len)
+        out = {"flops_per_token_6N": flops.six_n, "flops_per_token_olmo_core": flops.olmo_core}
+        peak = bf16_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        if peak is not None:
+            out["peak_flops_per_rank"] = peak
+            out["mfu_6N"] = flops.six_n * tokens_per_s / (self.comm.world_size * peak)
+            out["mfu_olmo_core"] = flops.olmo_core * tokens_per_s / (self.comm.world_size * peak)
+        return out
 
     def close(self) -> None:
         """Tear down in an order that cannot deadlock. Gloo's worker threads take the GIL to
