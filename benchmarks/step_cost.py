@@ -1,0 +1,177 @@
+"""Every registered optimizer's step on OLMo-300M's shapes: its time against AdamW-DDP's, and
+where the time goes.
+
+One worker (W=1: a real process group of one, so every collective is a local copy and what is
+timed is the optimizer's own compute), OLMo-300M's parameters (d_model 1024, its embedding
+50304 x 1024 and ``--blocks`` of its 8 transformer blocks: the shapes the paper's runs step,
+fewer of them so that a CPU finishes), gradients random and fixed. Each method runs its
+registry's ``cycle`` (the overrides and steps that cover its whole synchronisation cycle, as the
+byte contract tests it: DiLoCo H=2, Streaming DiLoCo's fragments, PowerSGD past its warm-up ...)
+``--rounds`` times after one warm-up cycle, so a method that syncs every H steps pays its outer
+step in what is timed, once per H steps, as in training.
+
+The table gives, per method: the mean time per step over its cycles, its slowest step (the
+synchronisation, for the outer-loop methods), the mean's ratio to AdamW-DDP's, and the phases of
+one extra cycle under torch.profiler, each aten operator's own time (``self`` time: nothing
+counted twice) summed by kind: matmul, top-k/sort, scatter/gather, communication, copy/cast,
+elementwise (the rest).
+
+    python benchmarks/step_cost.py                        # CPU, 1 of 300M's 8 blocks, every method
+    python benchmarks/step_cost.py --blocks 8 --methods adamw_ddp demo muon_ddp
+    python benchmarks/step_cost.py --device cuda --blocks 8
+
+A method the registry cannot build at W=1 (FlexDeMo shards inside a node and replicates across
+nodes: it needs ranks of both) is listed with the reason. DeMo's own phases, finer (transform,
+top-k, decode), and its dense-DCT floor are benchmarks/demo_step.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+KINDS = {
+    "matmul": ("mm", "bmm", "addmm", "matmul", "linalg", "baddbmm", "einsum", "addbmm"),
+    "top-k/sort": ("topk", "sort", "kthvalue"),
+    "scatter/gather": ("scatter", "gather", "index", "take", "masked"),
+    "communication": ("gloo", "nccl", "c10d", "all_gather", "all_reduce", "broadcast", "allgather", "allreduce"),
+    "copy/cast": ("copy", "_to_copy", "clone", "cat", "stack", "contiguous", "empty", "zero", "fill"),
+}
+ORDER = (*KINDS, "elementwise")
+
+
+def kind_of(op_name: str) -> str:
+    """The kind of an aten operator (or a collective's profiler range) by its name."""
+    name = op_name.lower().removeprefix("aten::")
+    for kind, keys in KINDS.items():
+        if any(key in name for key in keys):
+            return kind
+    return "elementwise"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _setup(name: str, blocks: int, device: torch.device):
+    """The strategy ``name`` with its cycle's overrides, built over OLMo-300M with ``blocks``
+    blocks on ``device``; the cycle's steps; fixed random gradients."""
+    from omegaconf import OmegaConf
+
+    from lowcomm.comm import Communicator
+    from lowcomm.config import validate_optimizer
+    from lowcomm.config.compose import compose
+    from lowcomm.models import ModelSpec, build_model
+    from lowcomm.strategies import STRATEGIES
+
+    cycle = STRATEGIES[name].cycle
+    raw = OmegaConf.to_container(compose([f"optimizer={name}", "model=olmo_300m", f"model.n_layers={blocks}",
+                                          *cycle.overrides]), resolve=True)
+    strategy_class, optimizer_cfg = validate_optimizer(raw)
+    model = build_model(ModelSpec(**raw["model"]), device, seed=0)
+    strategy = strategy_class(optimizer_cfg, raw.get("compression") or {}, Communicator.world(device))
+    wrapped, optimizer = strategy.build(model)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    grads = [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in wrapped.parameters()]
+    return wrapped, optimizer, grads, cycle.steps
+
+
+def _step(model, optimizer, grads) -> None:
+    for param, grad in zip(model.parameters(), grads, strict=True):
+        param.grad = grad.clone()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, device_type: str) -> dict:  # noqa: ARG001
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    results = {}
+    for name in names:
+        try:
+            model, optimizer, grads, steps = _setup(name, blocks, device)
+        except Exception as exc:  # noqa: BLE001 - a method that cannot run at W=1 is reported, not fatal
+            results[name] = {"error": " ".join(str(exc).split())[:300]}
+            continue
+        for _ in range(steps):  # warm-up cycle: state allocated, kernels chosen
+            _step(model, optimizer, grads)
+        times = []
+        for _ in range(rounds * steps):
+            _sync(device)
+            started = time.perf_counter()
+            _step(model, optimizer, grads)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                _step(model, optimizer, grads)
+            _sync(device)
+        kinds = dict.fromkeys(ORDER, 0.0)
+        for event in prof.key_averages():
+            own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+            kinds[kind_of(event.key)] += own / 1e6
+        total = sum(kinds.values()) or 1.0
+        results[name] = {"mean_s": statistics.fmean(times), "slowest_s": max(times), "steps": steps,
+                         "phases": {kind: seconds / total for kind, seconds in kinds.items()},
+                         "parameters": sum(p.numel() for p in model.parameters())}
+        del model, optimizer, grads
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lowcomm.strategies import STRATEGIES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", choices=sorted(STRATEGIES), default=sorted(STRATEGIES),
+                        help="registered optimizers to time (default: every one)")
+    parser.add_argument("--blocks", type=int, default=1, help="of OLMo-300M's 8 transformer blocks (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed cycles per method after one warm-up (default 3)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: every core)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.blocks <= 8:
+        parser.error(f"--blocks is 1 to 8 (OLMo-300M has 8 blocks), got {args.blocks}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU is visible")
+    names = ["adamw_ddp", *(name for name in args.methods if name != "adamw_ddp")]
+
+    from lowcomm.comm.spawn import spawn_workers
+
+    threads = args.threads or torch.get_num_threads()
+    started = time.perf_counter()
+    results = spawn_workers(_worker, 1, names, args.blocks, args.rounds, args.device, timeout_s=7200,
+                            threads=threads, backend="nccl" if args.device == "cuda" else "gloo")[0]
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {threads} threads"
+    if "error" in results["adamw_ddp"]:
+        print(f"step_cost: AdamW-DDP, the baseline, did not run: {results['adamw_ddp']['error']}", file=sys.stderr)
+        return 1
+    baseline = results["adamw_ddp"]["mean_s"]
+    parameters = next(r["parameters"] for r in results.values() if "parameters" in r)
+    print(f"optimizer step cost, OLMo-300M shapes with {args.blocks} of 8 blocks ({parameters:,} parameters), W=1, "
+          f"{device}; mean over {args.rounds} cycles after a warm-up; phases: aten self time of one cycle "
+          f"(torch.profiler), {time.perf_counter() - started:.0f} s in all\n")
+    print("| method | cycle (steps) | mean s/step | slowest step s | x AdamW-DDP | "
+          + " | ".join(ORDER) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(ORDER))
+    for name in names:
+        result = results[name]
+        if "error" in result:
+            print(f"| {name} | cannot run at W=1: {result['error']} |")
+            continue
+        phases = " | ".join(f"{result['phases'][kind]:.0%}" for kind in ORDER)
+        print(f"| {name} | {result['steps']} | {result['mean_s']:.4f} | {result['slowest_s']:.4f} | "
+              f"{result['mean_s'] / baseline:.2f}x | {phases} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
