@@ -22,7 +22,7 @@ from lowcomm.data import materialize, open_data
 from lowcomm.distenv import DistEnv
 from lowcomm.launch.estimate import checkpoint_estimate
 from lowcomm.launch.local import launch_local
-from lowcomm.models import build_model
+from lowcomm.models import ModelSpec, build_model
 from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.loop import DeviceClock, Trainer, next_token_loss, pick_device, validation_batches
@@ -244,3 +244,15 @@ def test_every_optimizer_trains_at_world_size_one(tmp_path, point):
     summary = RunDir(run.run_dir).read_summary()
     assert summary["steps"] == 3 and summary["world_size"] == 1
     assert math.isfinite(summary["final_val_loss"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: fused AdamW is the GPU's choice"))])
+def test_adamw_is_fused_on_a_gpu_and_the_for_loop_on_cpu(device):
+    """Fused on a GPU (one kernel per group); on CPU the for-loop default, whose numbers the
+    committed tables hold (fused orders the arithmetic differently)."""
+    from lowcomm.optim.grouping import AdamWArgs, adamw
+
+    model = build_model(ModelSpec(), device, seed=0)
+    optimizer = adamw(model, AdamWArgs.defaults())
+    assert optimizer.defaults["fused"] is (True if device == "cuda" else None)
