@@ -10,6 +10,8 @@ from lowcomm.comm.meter import (
     TRAFFIC,
     Traffic,
     chain_broadcast_traffic,
+    pairwise_exchange_traffic,
+    peer_exchange_traffic,
     ring_inter_node_share,
 )
 from lowcomm.comm.spawn import spawn_workers
@@ -198,3 +200,62 @@ def test_an_async_collective_is_timed_from_its_start_to_its_wait():
         assert 0.2 <= in_flight < 2.0
         assert blocking == 0.0
         assert gathered == [0.0, 1.0]
+
+
+# (peers of each rank) at W = 3: a pair beside a rank that sits this round out, then a group of
+# three in which every rank exchanges with both others (NoLoCo's odd W)
+EXCHANGE_ROUNDS = ({0: [1], 1: [0], 2: []}, {0: [1, 2], 1: [2, 0], 2: [0, 1]})
+
+
+def _exchange(rank: int, world_size: int) -> list[dict]:  # noqa: ARG001 - spawn_workers' signature
+    comm = Communicator()
+    rounds = []
+    for peers in EXCHANGE_ROUNDS:
+        sent = [torch.full((3,), float(rank)), torch.tensor([10 * rank, rank], dtype=torch.int64)]
+        received, work = comm.exchange(sent, peers[rank], async_op=True)
+        work.wait()
+        rounds.append({"received": received, "per_collective": comm.meter.breakdown(cumulative=False),
+                       "step": comm.meter.end_step()})
+    return rounds
+
+
+@pytest.mark.slow
+def test_point_to_point_exchange_delivers_each_peers_tensors_and_meters_what_crosses():
+    results = spawn_workers(_exchange, 3)
+    for index, peers in enumerate(EXCHANGE_ROUNDS):
+        for rank, out in enumerate(results):
+            round_ = out[index]
+            # peer k's tensors, in the order this rank named its peers
+            assert [[t.tolist() for t in tensors] for tensors in round_["received"]] == [
+                [[float(peer)] * 3, [10 * peer, peer]] for peer in peers[rank]]
+            # 12 + 16 bytes to each peer, one message per tensor and peer, the same back
+            count = len(peers[rank])
+            expected = {"calls": 1, "payload": 28, "tx": 28 * count, "rx": 28 * count, "messages": 2 * count}
+            assert round_["per_collective"]["data/world/exchange"] == expected
+        # summed over ranks, every byte sent is received
+        assert (sum(out[index]["step"]["comm/tx_bytes"] for out in results)
+                == sum(out[index]["step"]["comm/rx_bytes"] for out in results)
+                == 28 * sum(len(p) for p in peers.values()))
+
+
+def test_an_exchange_names_other_ranks_only():
+    comm = Communicator()
+    with pytest.raises(ValueError, match="must be other ranks"):
+        comm.exchange([torch.zeros(2)], [0])
+    with pytest.raises(ValueError, match="outside the group"):
+        comm.exchange([torch.zeros(2)], [1])
+    assert comm.exchange([torch.zeros(2)], []) == []  # alone: nothing to send, nothing metered on the wire
+    assert comm.meter.end_step()["comm/tx_bytes"] == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 64])
+def test_pairwise_exchange_per_rank_does_not_grow_with_the_world(world):
+    payload = 1000
+    # ranks in pairs; an odd W has one group of three, each of whose members sends to two peers
+    per_rank = [0] * world if world == 1 else [1] * (world - 3) + [2] * 3 if world % 2 else [1] * world
+    sent = [peer_exchange_traffic(payload, peers) for peers in per_rank]
+    assert sum(t.tx for t in sent) == sum(t.rx for t in sent)
+    averaged = pairwise_exchange_traffic(payload, world)
+    assert averaged.tx == sum(t.tx for t in sent) // world
+    if world % 2 == 0:
+        assert averaged == Traffic(payload, payload, 1, 1)  # one payload each way, whatever W

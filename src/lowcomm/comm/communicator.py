@@ -1,7 +1,8 @@
 """The Communicator: the only code in lowcomm that calls torch.distributed collectives.
 
 Its methods mirror ``torch.distributed`` (``all_reduce``, ``all_gather``, ``reduce_scatter``,
-``broadcast``, each with ``async_op``), plus :meth:`Communicator.all_reduce_quantized` (the
+``broadcast``, each with ``async_op``), :meth:`Communicator.exchange` (point-to-point: isend to
+a few peers and irecv from them, NoLoCo's gossip), plus :meth:`Communicator.all_reduce_quantized` (the
 mean of encoded tensors, reduced in float32 where it lands: torchft's quantized all-reduce,
 built of an all-to-all and an all-gather, see :mod:`lowcomm.comm.quantized`); every call is recorded in a :class:`CommMeter`
 before it is issued. Optimizers, DDP comm hooks and the training loop all talk through it, so
@@ -33,6 +34,7 @@ from lowcomm.comm.meter import (
     CommMeter,
     Traffic,
     chain_broadcast_traffic,
+    peer_exchange_traffic,
     reduce_scatter_traffic,
     ring_all_gather_traffic,
     ring_all_reduce_traffic,
@@ -83,6 +85,23 @@ class _DoneWork:
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(self._result)
         return future
+
+
+class _AllWork:
+    """Several ``dist.Work`` handles (a batch of point-to-point sends and receives) waited for
+    as one."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        done = True
+        for work in self._works:  # every one, even after one reports False
+            done = (work.wait() if timeout is None else work.wait(timeout)) and done
+        return done
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 class _TimedWork:
@@ -338,6 +357,41 @@ class Communicator:
             return _DoneWork([tensor]) if async_op else None
         global_src = dist.get_global_rank(group, src) if group is not None else src
         return self._timed(dist.broadcast(tensor, src=global_src, group=group, async_op=async_op))
+
+    def exchange(
+        self, tensors: Sequence[torch.Tensor], peers: Sequence[int], *, async_op: bool = False,
+    ) -> list[list[torch.Tensor]] | tuple[list[list[torch.Tensor]], object]:
+        """Send ``tensors`` to each of ``peers`` (group ranks) and receive the same shapes from
+        each: ``received[k][i]`` is peer k's tensor i. Every peer must call it naming this rank
+        among its own peers, with tensors of the same shapes and dtypes; nobody else takes part
+        (no collective over the group). One ``batch_isend_irecv``: each tensor is one message
+        each way per peer. Metered as the point-to-point traffic it is
+        (:func:`~lowcomm.comm.meter.peer_exchange_traffic`): tx = the bytes sent to the peers,
+        rx = those received, so summed over ranks tx equals rx.
+
+        With ``async_op`` returns ``(received, work)``: the buffers are filled once
+        ``work.wait()`` returns."""
+        peers = list(peers)
+        if self.rank in peers or len(set(peers)) != len(peers):
+            raise ValueError(f"exchange: rank {self.rank}'s peers {peers} must be other ranks, each once")
+        if any(not 0 <= peer < self.world_size for peer in peers):
+            raise ValueError(f"exchange: peers {peers} outside the group of {self.world_size} ranks")
+        group = self._route("exchange", "data", *tensors)
+        payload = sum(nbytes(tensor) for tensor in tensors)
+        self._record("exchange", payload, peer_exchange_traffic(payload, len(peers), len(tensors)), "data")
+        received = [[torch.empty_like(tensor) for tensor in tensors] for _ in peers]
+        operations = []
+        for peer, buffers in zip(peers, received, strict=True):
+            global_peer = dist.get_global_rank(group, peer) if group is not None else peer
+            for tensor, buffer in zip(tensors, buffers, strict=True):
+                operations.append(dist.P2POp(dist.isend, tensor.contiguous(), global_peer, group))
+                operations.append(dist.P2POp(dist.irecv, buffer, global_peer, group))
+        works = dist.batch_isend_irecv(operations) if operations else []
+        work = self._timed(_AllWork(works)) if works else _DoneWork(received)
+        if async_op:
+            return received, work
+        work.wait()
+        return received
 
     def barrier(self) -> None:
         """A metered barrier: an all-reduce of one int (the backend's own barrier would be

@@ -6,7 +6,8 @@ Four numbers per collective call, all for *this* rank:
   "Tx MB/step" convention: what one worker puts on the wire, before any algorithm
   multiplies it);
 - ``tx`` / ``rx``: the bytes this rank sends / receives under the algorithm gloo and NCCL
-  actually run (ring all-reduce, ring all-gather, ring reduce-scatter, chain broadcast);
+  actually run (ring all-reduce, ring all-gather, ring reduce-scatter, chain broadcast, and
+  the point-to-point exchange with a peer);
 - ``messages``: the sends this rank issues (a ring all-gather is W-1 of them, a ring
   all-reduce 2(W-1)). On a real link each costs a fixed amount on top of its bytes, so a
   step of many small collectives (DeMo: two all-gathers per parameter) costs more than its
@@ -100,6 +101,26 @@ def chain_broadcast_traffic(nbytes: int, world_size: int, rank: int, src: int) -
     return Traffic(nbytes * sends, nbytes * receives, sends, receives)
 
 
+def peer_exchange_traffic(payload: int, peers: int, tensors: int = 1) -> Traffic:
+    """A point-to-point exchange with ``peers`` other ranks (NoLoCo's gossip): this rank sends
+    its ``payload`` bytes (``tensors`` tensors, one message each) straight to each peer and
+    receives as much from each. No rank forwards another's bytes, so nothing grows with the
+    world size."""
+    return Traffic(payload * peers, payload * peers, tensors * peers, tensors * peers)
+
+
+def pairwise_exchange_traffic(payload: int, world_size: int) -> Traffic:
+    """Per rank, averaged over the W ranks, of an exchange in which the ranks meet in pairs (an
+    odd W: one group of three, whose members each exchange with two peers). Even W: one payload
+    each way in one message, whatever W; odd W: (W + 3) / W of that (integer division), the three
+    doubled senders' share falling as W grows."""
+    if world_size <= 1:
+        return Traffic(0, 0, 0, 0)
+    sends = world_size + (3 if world_size % 2 else 0)  # messages over all ranks
+    moved = payload * sends // world_size
+    return Traffic(moved, moved, sends // world_size, sends // world_size)
+
+
 # Byte-only views, for callers that need (tx, rx) alone (analytic byte tables).
 def ring_all_reduce_bytes(payload: int, world_size: int) -> tuple[int, int]:
     """(tx, rx) of a ring all-reduce: 2(W-1)/W x payload each way."""
@@ -120,6 +141,7 @@ TRAFFIC = {
     "all_reduce": ring_all_reduce_traffic,
     "all_gather": ring_all_gather_traffic,
     "reduce_scatter": ring_reduce_scatter_traffic,  # NCCL's; gloo's: reduce_scatter_traffic
+    "exchange": pairwise_exchange_traffic,  # point-to-point with a peer (NoLoCo), averaged over ranks
 }
 
 
