@@ -12,9 +12,10 @@ meter's tx bytes and messages beside the kernel's bytes. Two probes fix the wire
 and the other windows' kernel bytes are then predicted from their metered tx and messages alone:
 kernel ~ tx x (1 + overhead per byte) + messages x overhead per message. The other windows: a
 1 MB ring all-reduce, the quantized all-reduce of a 2-bit tensor with about 1 MB of codes
-(an all-to-all and an all-gather: about 2 (W-1)/W of its payload), and a few steps each of
-AdamW-DDP, DeMo and MuLoCo-style DiLoCo (2-bit quantized pseudo-gradient, error feedback, the
-quantized all-reduce at every step).
+(an all-to-all and an all-gather: about 2 (W-1)/W of its payload), a 1 MB point-to-point
+exchange between pairs of ranks (NoLoCo's), and a few steps each of AdamW-DDP, DeMo,
+MuLoCo-style DiLoCo (2-bit quantized pseudo-gradient, error feedback, the quantized all-reduce
+at every step) and NoLoCo (its peer exchange at every step).
 
     sudo .venv/bin/python benchmarks/wire_check.py               # makes, uses and deletes a namespace
     sudo .venv/bin/python benchmarks/wire_check.py --steps 40 --json out.json
@@ -81,7 +82,7 @@ def tiny_stepper(name: str, overrides: list[str], rank: int, comm):
     return step
 
 
-def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - spawn_workers' signature
+def _probe_worker(rank: int, world: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -122,12 +123,16 @@ def _probe_worker(rank: int, world: int, steps: int) -> dict:  # noqa: ARG001 - 
     codes = torch.randn(4 * LARGE_BYTES, generator=torch.Generator().manual_seed(rank)).view(1000, -1)
     window("all_reduce_quantized 1 MB", comm,
            lambda: [comm.all_reduce_quantized([codes.clone()], Quantize(bits=2)) for _ in range(REPEATS)])
+    # point to point in pairs (0-1, 2-3: NoLoCo's gossip): one payload each way, no ring
+    peers = [rank ^ 1] if world % 2 == 0 else []
+    window("exchange 1 MB", comm, lambda: [comm.exchange([large], peers) for _ in range(REPEATS)])
     small = torch.zeros(4)
     window("all_gather 16 B", comm, lambda: [comm.all_gather(small) for _ in range(SMALL_GATHERS)])
 
     for label, name, overrides in (("adamw_ddp", "adamw_ddp", []), ("demo", "demo", []),
                                    ("diloco 2-bit", "diloco", ["compression=quantize", "optimizer.error_feedback=0.9",
-                                                               "optimizer.sync_every=1"])):
+                                                               "optimizer.sync_every=1"]),
+                                   ("noloco", "noloco", ["optimizer.sync_every=1"])):
         comm = Communicator()
         step = tiny_stepper(name, overrides, rank, comm)
         step()  # outside the window: DDP's one-time bucket-order broadcast happens here

@@ -2,8 +2,9 @@
 byte they exchange crosses that namespace's loopback and its counters are the ground truth.
 
 benchmarks/wire_check.py does the measuring (``--inside``, run here under ``ip netns exec``):
-bare collectives, then a few steps of AdamW-DDP, of DeMo and of DiLoCo with a 2-bit quantized
-pseudo-gradient (the quantized all-reduce) on the tiny model, each window's loopback byte count
+bare collectives and a point-to-point exchange in pairs, then a few steps of AdamW-DDP, of DeMo,
+of DiLoCo with a 2-bit quantized pseudo-gradient (the quantized all-reduce) and of NoLoCo (its
+peer exchange) on the tiny model, each window's loopback byte count
 beside the meter's tx and messages summed over ranks.
 
 Measured on the 2-core CI machine (10 optimizer steps each unless said, sums over 4 ranks):
@@ -16,6 +17,8 @@ Measured on the 2-core CI machine (10 optimizer steps each unless said, sums ove
     adamw_ddp x 10 steps       18.678       240     18.892   (predicted 18.882)
     demo x 10 steps             1.751      2160      3.268   (predicted 3.250)
     diloco 2-bit x 5 steps      1.185       120      1.254   (predicted 1.279; 2026-11-24)
+    exchange 1 MB x3           12.000        12     12.022   (pairs 0-1, 2-3; 2026-11-25)
+    noloco x 5 steps           24.904       360     25.036   (predicted 25.204; 2026-11-25)
 
     overhead per byte 0.18 %, per message 690 bytes (TCP/IP headers and acknowledgements,
     about 7.7 loopback packets per gloo message, and gloo's own framing)
@@ -100,7 +103,13 @@ def test_metered_tx_and_messages_account_for_the_kernels_bytes(wire):
     # in the all-to-all, three reduced ones are forwarded in the all-gather: 1,500,096 bytes
     assert quantized["tx"] / calls == 1_500_096
 
-    for name in (f"adamw_ddp x {STEPS} steps", f"demo x {STEPS} steps", f"diloco 2-bit x {STEPS} steps"):
+    # the point-to-point exchange in pairs: each rank's 1 MB once to its peer, no forwarding
+    exchanged = windows["exchange 1 MB"]
+    assert exchanged["tx"] == calls * 1_000_000
+    assert exchanged["tx"] <= exchanged["kernel_bytes"] - barrier <= exchanged["tx"] * 1.02 + exchanged["messages"] * 1500
+
+    for name in (f"adamw_ddp x {STEPS} steps", f"demo x {STEPS} steps", f"diloco 2-bit x {STEPS} steps",
+                 f"noloco x {STEPS} steps"):
         window = windows[name]
         # the meter never claims more than the kernel carried...
         assert window["tx"] <= window["kernel_bytes"] - barrier, name

@@ -157,9 +157,8 @@ class NoLoCo(torch.optim.Optimizer):
     def _outer_step(self, outer_step: int) -> None:
         peers = self.peers(outer_step)
         count = len(self._params)
-        received, work = self.comm.exchange([*self._outer, *(p.detach() for p in self._params)], peers,
-                                            async_op=True)
-        work.wait()
+        # blocking: the step below needs the peer's weights, and the next inner phase its result
+        received = self.comm.exchange([*self._outer, *(p.detach() for p in self._params)], peers)
         size = len(peers) + 1
         alpha, beta, gamma = self.args.outer_momentum, self.args.outer_lr, self.args.pull
         for index, (local, outer, momentum) in enumerate(zip(self._params, self._outer, self._momentum, strict=True)):
