@@ -158,8 +158,11 @@ def _worker(rank: int, world: int) -> bytes:  # noqa: ARG001 - spawn_workers' si
     saved = torch.load(buffer, weights_only=False)
     results["in_flight_saved"] = len(saved["optimizer"]["in_flight"])
     param, optimizer = _fresh(Communicator(), True)
-    param.data.copy_(saved["param"])
+    # the optimizer's state alone puts this worker back at its own lookahead point (a
+    # checkpoint's model file holds rank 0's parameters, its lookahead included)
+    param.data.fill_(math.nan)
     optimizer.load_state_dict(saved["optimizer"])
+    results["restored"] = (tuple(param.detach().tolist()), tuple(saved["param"].tolist()))
     results["resumed"] = _steps(optimizer, param, comm, rank, 1)[0]
     results["lagged", "signbit"] = _lagged_pair(Communicator(), rank, "signbit")
     results["lagged", "paper"] = _lagged_pair(Communicator(), rank, "paper")
@@ -196,6 +199,8 @@ def test_every_step_sends_index_and_sign_bytes_through_the_meter(workers):
 def test_a_checkpoint_between_steps_holds_the_exchange_in_flight_and_resumes_exactly(workers):
     for rank in range(2):
         assert workers[rank]["in_flight_saved"] == 1
+        restored, saved = workers[rank]["restored"]
+        assert restored == saved == WITH_LOOKAHEAD[1][rank]
         assert workers[rank]["resumed"] == [WITH_LOOKAHEAD[2][rank]]
 
 
@@ -227,8 +232,9 @@ def test_strategy_config_is_the_yaml_and_psyches_40b_settings():
     # a 64 x 128 matrix: two 64 x 64 blocks, 4 values each: 8 two-byte indices + 1 byte of signs
     assert strategy.analytic_payload_bytes(model) == 8 * 2 + 1
     assert strategy.wire_collective() == "all_gather"
-    # the momentum (fp32) and the lookahead's int8 direction per element, each worker its own
-    assert strategy.optimizer_state_bytes(model, 8) == (0.0, 64 * 128 * 5)
+    # once: the parameters without the lookahead; per worker: the momentum (fp32) and the
+    # lookahead's int8 direction per element
+    assert strategy.optimizer_state_bytes(model, 8) == (64 * 128 * 4, 64 * 128 * 5)
     assert DisTrOStrategy.comm_overlap(config, 10**9) == 1.0
     no_lookahead = DisTrOStrategy(dataclasses.replace(config, lookahead=False), {"name": "none"}, Communicator())
     assert no_lookahead.optimizer_state_bytes(model, 8) == (0.0, 64 * 128 * 4)

@@ -28,18 +28,23 @@ backward pass, so the lookahead of step t is applied at the end of step t's ``st
 back at the start of step t+1's: the forward/backward of step t+1 runs at the same point as
 Psyche's, and the parameters between steps (validation, checkpoints) are the lookahead point
 too. Each worker's lookahead is its own, so the workers' parameters differ between steps by
-``lr (s_r - s_r')`` and are identical again once it is taken back. ``lookahead=False`` drops it:
-the plain one-step-delayed DeMo.
+``lr (s_r - s_r')``. Taking it back restores a copy of the parameters kept from before it, not
+``p + lr s``: in floating point ``(p - x) + x`` is not always ``p``, and the workers, each with its
+own x, would drift apart by rounding (Psyche adds it back; the copy costs one more parameter-sized
+buffer per worker, the same on every worker). ``lookahead=False`` drops it: the plain
+one-step-delayed DeMo.
 
 The learning rate of an update is the one of the step that computed it (the schedule's value
 when its momentum was formed), for the lookahead and for the delayed aggregate alike; Psyche
 applies the aggregate with the schedule's value at the step that applies it (a difference of one
 step of the schedule).
 
-Checkpoints: the momentum, the lookahead direction (int8) and its lr are per-parameter state;
-the exchange in flight is in ``state_dict()["in_flight"]``: the gathered payloads of every worker
-(waited for first), with what each parameter's update needs, so a run resumed between two steps
-applies exactly the aggregate it would have.
+Checkpoints: the momentum, the lookahead direction (int8) and its lr are per-parameter state,
+each worker's own; ``state_dict()["base_params"]`` (the parameters without the lookahead) and
+``["in_flight"]`` (the gathered payloads of every worker, waited for first, with what each
+parameter's update needs) are the same on every worker. Loaded, they put each worker back at
+its own lookahead point and apply exactly the aggregate it would have: a checkpoint's model file
+holds one worker's parameters, lookahead included, which another worker cannot use as they are.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class DisTrO(DeMo):
         self.lookahead = args.lookahead
         # the buckets sent by the last step, applied by the next one
         self._in_flight: list[_InFlight] = []
+        # the parameters as they were before the lookahead moved them (the same on every worker)
+        self._base: dict[torch.nn.Parameter, torch.Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,10 +101,15 @@ class DisTrO(DeMo):
         if self.lookahead:
             for flight in sent:
                 for item in flight.sent:
-                    state = self.state[item.param]
-                    item.param.sub_(state["lookahead"].to(item.param.dtype), alpha=item.lr)
-                    state["lookahead_lr"] = item.lr
+                    self._base.setdefault(item.param, torch.empty_like(item.param)).copy_(item.param)
+                    self._look_ahead(item.param, item.lr)
         return loss
+
+    def _look_ahead(self, param: torch.nn.Parameter, lr: float) -> None:
+        """Move the parameter (kept in ``_base``) by ``-lr sign(momentum)``."""
+        state = self.state[param]
+        param.copy_(self._base[param]).sub_(state["lookahead"].to(param.dtype), alpha=lr)
+        state["lookahead_lr"] = lr
 
     def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
                         bases: _Bases) -> None:
@@ -114,8 +126,8 @@ class DisTrO(DeMo):
         for group in self.param_groups:
             for param in group["params"]:
                 state = self.state.get(param, {})
-                if "lookahead_lr" in state:
-                    param.add_(state["lookahead"].to(param.dtype), alpha=state.pop("lookahead_lr"))
+                if state.pop("lookahead_lr", None) is not None:
+                    param.copy_(self._base[param])
 
     # ------------------------------------------------------------------ checkpoint
     def _ordered_params(self) -> list[torch.nn.Parameter]:
@@ -140,13 +152,22 @@ class DisTrO(DeMo):
                 "gathered": [(buffer, segments) for buffer, segments in flight.gathered.values()],
             })
         state["in_flight"] = flights
+        state["base_params"] = [self._base.get(param) for param in self._ordered_params()]
         return state
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         flights = state_dict.pop("in_flight", [])
+        bases = state_dict.pop("base_params", [])
         super().load_state_dict(state_dict)
         params = self._ordered_params()
+        self._base = {param: base.to(param.device, param.dtype).clone()
+                      for param, base in zip(params, bases, strict=False) if base is not None}
+        for param in params:
+            lr = self.state.get(param, {}).get("lookahead_lr")
+            if lr is not None:  # this worker's own lookahead point, from the parameters without it
+                self._look_ahead(param, lr)
         self._in_flight = []
         for flight in flights:
             sent = []

@@ -37,16 +37,21 @@ class DisTrOStrategy(DeMoStrategy):
                   Row("DisTrO k=32 1-bit", "optimizer.compression_topk=32"))
     # no mid_period overrides: every checkpoint falls between a step's all-gather and the next
     # step, which applies it
+    # the same on every worker: written once (the per-parameter state is each worker's own)
+    replicated_state_keys = ("base_params", "in_flight")
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DisTrO]:
         return model, self.make_optimizer(model, self.comm, DisTrO)
 
     def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
-        """Per rank: the momentum (one copy of the parameters) and the lookahead direction (one
-        int8 per element). The exchange in flight, W x the payload, is left out: it depends on
-        the world size, and at chunk 64, k = 4 it is 0.2 % of the momentum per worker."""
+        """Replicated: the parameters without the lookahead (the same on every worker). Per rank:
+        the momentum (one copy of the parameters) and the lookahead direction (one int8 per
+        element). The exchange in flight, W x the payload written once, is left out: it depends
+        on the world size, and at chunk 64, k = 4, W = 64 it is 3 % of the parameters' bytes."""
+        if not self.cfg.lookahead:
+            return 0.0, parameter_bytes(model)
         elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return 0.0, parameter_bytes(model) + (elements if self.cfg.lookahead else 0)
+        return parameter_bytes(model), parameter_bytes(model) + elements
 
     @classmethod
     def comm_overlap(cls, cfg: DisTrOConfig, parameters: int) -> float:  # noqa: ARG003
