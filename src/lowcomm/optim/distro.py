@@ -101,7 +101,9 @@ class DisTrO(DeMo):
         if self.lookahead:
             for flight in sent:
                 for item in flight.sent:
-                    self._base.setdefault(item.param, torch.empty_like(item.param)).copy_(item.param)
+                    if item.param not in self._base:
+                        self._base[item.param] = torch.empty_like(item.param)
+                    self._base[item.param].copy_(item.param)
                     self._look_ahead(item.param, item.lr)
         return loss
 
