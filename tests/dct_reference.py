@@ -63,6 +63,8 @@ def dense_topk(
             elif wire == "sign":
                 scale = values.abs().mean().to(torch.bfloat16).to(F64)
                 values = torch.where(values < 0, -scale, scale)
+            elif wire == "signbit":  # Psyche's 1-bit values: the sign alone
+                values = torch.where(values < 0, -1.0, 1.0).to(F64)
             for position, value in zip(order.tolist(), values, strict=True):
                 row, col = a * c0 + position // c1, b * c1 + position % c1
                 sent[row, col] = value

@@ -175,6 +175,8 @@ def test_wire_sizes():
     assert sizes["paper"].nbytes == blocks * k * (8 + 4)
     assert sizes["compact"].nbytes == blocks * k * (2 + 2)
     assert sizes["sign"].nbytes == blocks * k * 2 + math.ceil(blocks * k / 8) + blocks * 2
+    # 32 x 32 = 1024 positions: two-byte indices, one bit per value, no scale (Psyche's 1-bit)
+    assert sizes["signbit"].nbytes == blocks * k * 2 + math.ceil(blocks * k / 8)
     assert {name: t.dtype for name, t in sizes["sign"].tensors.items()} == {
         "index": torch.uint8,
         "signs": torch.uint8,
@@ -185,7 +187,7 @@ def test_wire_sizes():
     )
 
 
-@pytest.mark.parametrize("wire", ["compact", "sign"])
+@pytest.mark.parametrize("wire", ["compact", "sign", "signbit"])
 def test_sixteen_bit_indices_cover_a_256_x_256_block(wire):
     codec = DCTTopK(chunk=256, topk=2, wire=wire)
     coefficients = torch.zeros(256, 256, dtype=F64)

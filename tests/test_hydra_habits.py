@@ -62,7 +62,7 @@ def test_minus_m_alone_points_to_lowcomm_sweep(capsys):
 
 
 @pytest.mark.parametrize("override, meant", [
-    ("compression_topk=8", "optimizer.compression_topk (a key of optimizer=demo or flexdemo)"),
+    ("compression_topk=8", "optimizer.compression_topk (a key of optimizer=demo or distro or flexdemo)"),
     ("max_steps=3", "train.max_steps (a key of train)"),
     ("lr=0.1", "optimizer.lr (a key of every optimizer)"),
 ])

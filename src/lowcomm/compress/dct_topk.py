@@ -12,6 +12,13 @@ Wire formats (``wire``), per block of k kept coefficients:
   coefficients. Given the signs, that scale is the least-squares choice (it minimises
   sum_i (|v_i| - s)^2) and it keeps the block's L1 mass: 2 + 1/8 bytes per coefficient plus
   2 per block.
+- ``signbit``: DisTrO's wire as Psyche sends it with ``quantize_1bit`` (PsycheFoundation/psyche,
+  ``shared/modeling/src/distro.rs``): block-local indices in the narrowest of 8, 16 or 32 bits
+  that holds the block (at most 256, 65536 or 2^32 coefficients: one byte each for a 16 x 16
+  block, two for 64 x 64) and one sign bit per coefficient, packed 8 to a byte over the whole
+  tensor, with no scale: a receiver decodes +1 or -1 (Psyche's ``signbit``, so a zero is +1).
+  The values carry a direction only, so a sender removes from its momentum what it selected,
+  not what receivers decode (:attr:`DCTTopK.decodes_magnitudes`).
 
 16-bit indices travel as two uint8 bytes (low, high): neither gloo nor NCCL has an int16 type,
 and bytes need no endianness agreement. The bytes the meter counts are the bytes in the
@@ -34,7 +41,7 @@ from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout, block_transform, dct_basis
 from lowcomm.compress.registry import register_codec
 
-WIRES = ("paper", "compact", "sign")
+WIRES = ("paper", "compact", "sign", "signbit")
 _MAX_16BIT_BLOCK = 1 << 16
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -51,14 +58,23 @@ def topk_block_errors(chunk: int, topk: int, topk_key: str, chunk_key: str) -> l
     return []
 
 
-def _to_16bit(index: torch.Tensor) -> torch.Tensor:
-    """Indices in [0, 65536) -> uint8 (..., k, 2) holding (low byte, high byte)."""
-    return torch.stack((index & 0xFF, index >> 8), dim=-1).to(torch.uint8)
+def index_width(block_numel: int) -> int:
+    """Bytes of a block-local index under ``signbit``: the narrowest of 1, 2 or 4 that holds
+    ``block_numel`` positions (Psyche's ``compress_idx``: uint8 up to 256, uint16 up to 65536)."""
+    return next(width for width in (1, 2, 4) if block_numel <= 1 << (8 * width))
 
 
-def _from_16bit(packed: torch.Tensor) -> torch.Tensor:
+def _to_bytes(index: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices -> uint8 (..., k, width), least significant byte first (no endianness to agree on)."""
+    return torch.stack([(index >> (8 * byte)) & 0xFF for byte in range(width)], dim=-1).to(torch.uint8)
+
+
+def _from_bytes(packed: torch.Tensor) -> torch.Tensor:
     wide = packed.to(torch.int64)
-    return wide[..., 0] | (wide[..., 1] << 8)
+    index = wide[..., 0]
+    for byte in range(1, packed.shape[-1]):
+        index = index | (wide[..., byte] << (8 * byte))
+    return index
 
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -107,7 +123,7 @@ class DCTTopK:
             raise ValueError(f"compression.topk must be >= 1, got {topk}")
         if wire not in WIRES:
             raise ValueError(f"compression.wire must be one of {', '.join(WIRES)}, got {wire!r}")
-        if wire != "paper" and chunk * chunk > _MAX_16BIT_BLOCK:
+        if wire in ("compact", "sign") and chunk * chunk > _MAX_16BIT_BLOCK:
             raise ValueError(
                 f"compression.wire={wire!r} sends 16-bit indices, so blocks must have at most "
                 f"{_MAX_16BIT_BLOCK} coefficients (chunk <= 256); got chunk={chunk}"
@@ -133,6 +149,14 @@ class DCTTopK:
             self._layouts[shape] = BlockLayout.for_shape(shape, self.chunk)
         return self._layouts[shape]
 
+    @property
+    def decodes_magnitudes(self) -> bool:
+        """Do receivers decode an estimate of each sent value (its magnitude included)? Then a
+        sender removes what they decode from its momentum, rounding and all. ``signbit`` decodes
+        +-1, a direction with no magnitude: the sender removes the values it selected (Psyche
+        subtracts its own unquantized result)."""
+        return self.wire != "signbit"
+
     def kept_per_block(self, layout: BlockLayout) -> int:
         """k, clamped to [1, coefficients per block]."""
         return min(self.topk, layout.block_numel)
@@ -147,6 +171,8 @@ class DCTTopK:
             return kept * (torch.int64.itemsize + dtype.itemsize)
         if self.wire == "compact":
             return kept * (2 + 2)
+        if self.wire == "signbit":
+            return kept * index_width(layout.block_numel) + math.ceil(kept / 8)
         return kept * 2 + math.ceil(kept / 8) + blocks * 2
 
     # ------------------------------------------------------- coefficient domain
@@ -180,7 +206,10 @@ class DCTTopK:
         meta = {"shape": layout.shape, "dtype": values.dtype}
         if self.wire == "paper":
             return Payload({"index": index, "values": values}, meta)
-        index16 = _to_16bit(index)
+        if self.wire == "signbit":
+            return Payload({"index": _to_bytes(index, index_width(layout.block_numel)),
+                            "signs": _pack_bits(torch.signbit(values))}, meta)
+        index16 = _to_bytes(index, 2)
         if self.wire == "compact":
             return Payload({"index": index16, "values": values.to(torch.bfloat16)}, meta)
         return Payload(
@@ -200,7 +229,11 @@ class DCTTopK:
         tensors, dtype = payload.tensors, payload.meta["dtype"]
         if self.wire == "paper":
             return tensors["index"], tensors["values"]
-        index = _from_16bit(tensors["index"])
+        index = _from_bytes(tensors["index"])
+        if self.wire == "signbit":
+            negative = _unpack_bits(tensors["signs"], index.shape[-2] * index.shape[-1]).reshape(index.shape)
+            ones = torch.ones((), dtype=dtype, device=index.device)
+            return index, torch.where(negative, -ones, ones)
         if self.wire == "compact":
             return index, tensors["values"].to(dtype)
         per_payload = index.shape[-2] * index.shape[-1]

@@ -123,9 +123,10 @@ class DeMoArgs(Args):
         of the raw momentum, per block).
     base: the transform of the aggregate before the update: ``sign`` (signum, the paper's),
         ``sgd`` (none) or ``muon`` (Newton-Schulz orthogonalisation of the parameter's matrix).
-    wire: the payload format: ``paper``, ``compact`` or ``sign`` (see
+    wire: the payload format: ``paper``, ``compact``, ``sign`` or ``signbit`` (see
         :mod:`lowcomm.compress.dct_topk`). With a rounding format the momentum loses what
-        receivers decode, so rounding errors stay in it.
+        receivers decode, so rounding errors stay in it; with ``signbit`` (receivers decode
+        +-1) it loses the selected values.
     bucket_numel: the most parameter elements whose payloads share one all-gather per wire
         dtype and one aggregation pass (None: the largest parameter's size, so the aggregate
         reuses the per-parameter work space; a parameter larger than it is a bucket of its own).
@@ -290,11 +291,13 @@ class DeMo(torch.optim.Optimizer):
                 momentum.mul_(decay).add_(grad, alpha=lr)
                 coefficients = self._transform(momentum, layout, bases, out=work, scratch=scratch)
 
+        self._momentum_ready(param, momentum, layout, bases)
         with record_function("DeMo.topk"):
             index, positions, values = self.codec.select(coefficients, layout, scratch=scratch)
             payload = self.codec.pack(index, values, layout)
             if alpha:
-                _, sent = self.codec.unpack(payload)  # what the receivers will decode
+                # what the receivers will decode; the values themselves where they decode signs only
+                sent = self.codec.unpack(payload)[1] if self.codec.decodes_magnitudes else values
                 if self._momentum_in_coefficients:  # a sparse update of the coefficients
                     momentum.view(-1).index_add_(0, positions.view(-1), sent.reshape(-1), alpha=-alpha)
                 else:
@@ -302,6 +305,13 @@ class DeMo(torch.optim.Optimizer):
                     own = self._transform(sparse, layout, bases, inverse=True, out=spare, scratch=work)
                     momentum.sub_(own.view(layout.rows, layout.cols), alpha=alpha)
         return layout, bases, payload
+
+    def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
+                        bases: _Bases) -> None:
+        """Called with the parameter's new momentum (``rows x cols``, in the coefficient domain
+        when ``_momentum_in_coefficients``, else the parameter's), before the sent components
+        are removed from it. DeMo needs nothing of it; DisTrO keeps its sign for the lookahead
+        (:mod:`lowcomm.optim.distro`)."""
 
     def _apply_bucket(self, flight: _InFlight) -> None:
         """Wait for the bucket's payloads, aggregate them all in one pass, then inverse-transform
