@@ -77,7 +77,7 @@ OPTIMIZERS = {
     "DiLoCo H=10": ["optimizer=diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
     "FlexDeMo k=32": ["optimizer=flexdemo", "optimizer.lr=6e-3"],  # shard group: the ranks of a node
     # the overlapped methods beside their blocking selves, at the same bytes (--overlapped)
-    "DeMo k=32 1-bit": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.wire=sign"],
+    "DeMo k=32 1-bit": ["optimizer=demo", "optimizer.lr=6e-3", "optimizer.wire=signbit"],
     "DisTrO k=32 1-bit": ["optimizer=distro", "optimizer.lr=6e-3", "optimizer.compression_topk=32"],
     "eager DiLoCo H=10": ["optimizer=eager_diloco", "optimizer.lr=6e-3", "optimizer.sync_every=10"],
 }
