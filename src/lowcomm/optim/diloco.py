@@ -43,7 +43,7 @@ parameters), a ``compressor`` and an ``error_feedback`` beta.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -55,8 +55,8 @@ from lowcomm.compress.base import Codec, Payload
 from lowcomm.compress.error_feedback import ErrorFeedback
 from lowcomm.optim.args import Args, one_of_error
 
-__all__ = ["EXCHANGES", "DiLoCo", "DiLoCoArgs", "OuterArgs", "all_gather_payloads", "reduces_quantized",
-           "sync_traffic"]
+__all__ = ["EXCHANGES", "DiLoCo", "DiLoCoArgs", "OuterArgs", "PendingMean", "all_gather_payloads",
+           "reduces_quantized", "sync_traffic"]
 
 EXCHANGES = ("all_reduce", "all_gather")
 
@@ -72,18 +72,99 @@ def all_gather_payloads(comm: Communicator, payloads: Sequence[Payload]) -> list
     Every worker must pass payloads of the same shapes (codecs size them from the tensor's
     shape only). ``meta`` is rebuilt locally, never sent.
     """
-    segments: dict[torch.dtype, list[tuple[int, str, torch.Size]]] = {}
+    gathered = [[Payload(tensors={}, meta=p.meta) for p in payloads] for _ in range(comm.world_size)]
+    for entries in _segments(payloads).values():
+        _cut(comm.all_gather(_flat(payloads, entries)), entries, gathered)
+    return gathered
+
+
+Segment = list[tuple[int, str, torch.Size]]  # (payload index, tensor key, shape) of one wire dtype
+
+
+def _segments(payloads: Sequence[Payload]) -> dict[torch.dtype, Segment]:
+    """The payloads' tensors grouped by dtype, in a fixed order: one flat buffer per dtype."""
+    segments: dict[torch.dtype, Segment] = {}
     for index, payload in enumerate(payloads):
         for key, tensor in payload.tensors.items():
             segments.setdefault(tensor.dtype, []).append((index, key, tensor.shape))
-    gathered = [[Payload(tensors={}, meta=p.meta) for p in payloads] for _ in range(comm.world_size)]
-    for entries in segments.values():
-        flat = torch.cat([payloads[index].tensors[key].reshape(-1) for index, key, _ in entries])
-        sizes = [shape.numel() for _, _, shape in entries]
-        for rank, buffer in enumerate(comm.all_gather(flat)):
-            for (index, key, shape), piece in zip(entries, buffer.split(sizes), strict=True):
-                gathered[rank][index].tensors[key] = piece.view(shape)
-    return gathered
+    return segments
+
+
+def _flat(payloads: Sequence[Payload], entries: Segment) -> torch.Tensor:
+    return torch.cat([payloads[index].tensors[key].reshape(-1) for index, key, _ in entries])
+
+
+def _cut(buffers: Sequence[torch.Tensor], entries: Segment, gathered: list[list[Payload]]) -> None:
+    """Every rank's flat buffer of one dtype cut back into its payloads' tensors."""
+    sizes = [shape.numel() for _, _, shape in entries]
+    for rank, buffer in enumerate(buffers):
+        for (index, key, shape), piece in zip(entries, buffer.split(sizes), strict=True):
+            gathered[rank][index].tensors[key] = piece.view(shape)
+
+
+@dataclass
+class PendingMean:
+    """The worker mean of ``deltas`` on its way: :meth:`start` issues the exchange without
+    blocking and :meth:`wait`, at the step that needs the mean, finishes it. Streaming DiLoCo's
+    fragments and eager DiLoCo's outer gradients run behind inner steps this way.
+
+    The exchange is the one :func:`sync_traffic` counts: a dense all-reduce (``compressor``
+    None: the mean lands in ``deltas``), the quantized all-reduce (the decoded re-quantized mean,
+    in ``deltas``; its all-to-all runs in the background, its all-gather in :meth:`wait`) or an
+    all-gather of every worker's payload, each worker taking the float32 mean of the W decoded
+    payloads (new tensors of ``deltas``' dtype). A mean known already (restored from a
+    checkpoint) is :meth:`done`.
+    """
+
+    deltas: list[torch.Tensor]
+    compressor: Codec | None = None
+    works: list[Any] = field(default_factory=list)
+    # the all-gather's: this rank's payloads and, per wire dtype, the gathered buffers, work and layout
+    payloads: list[Payload] = field(default_factory=list)
+    gathers: list[tuple[list[torch.Tensor], Any, Segment]] = field(default_factory=list)
+    world_size: int = 1
+    mean: list[torch.Tensor] | None = None
+
+    @classmethod
+    def start(cls, comm: Communicator, deltas: list[torch.Tensor], compressor: Codec | None,
+              exchange: str) -> PendingMean:
+        pending = cls(deltas, compressor, world_size=comm.world_size)
+        if compressor is None:
+            pending.works = [comm.all_reduce(delta, op="avg", async_op=True) for delta in deltas]
+        elif reduces_quantized(exchange, compressor):
+            pending.works = [comm.all_reduce_quantized(deltas, compressor, async_op=True)]
+        else:
+            pending.payloads = [compressor.encode(delta) for delta in deltas]
+            for entries in _segments(pending.payloads).values():
+                buffers, work = comm.all_gather(_flat(pending.payloads, entries), async_op=True)
+                pending.gathers.append((buffers, work, entries))
+        return pending
+
+    @classmethod
+    def done(cls, mean: list[torch.Tensor]) -> PendingMean:
+        return cls(list(mean), mean=list(mean))
+
+    def wait(self) -> list[torch.Tensor]:
+        """The worker mean (waited for once, then kept)."""
+        if self.mean is not None:
+            return self.mean
+        for work in self.works:
+            work.wait()
+        if not self.gathers:
+            self.mean = self.deltas
+        else:
+            gathered = [[Payload(tensors={}, meta=p.meta) for p in self.payloads] for _ in range(self.world_size)]
+            for buffers, work, entries in self.gathers:
+                work.wait()
+                _cut(buffers, entries, gathered)
+            self.mean = []
+            for index, reference in enumerate(self.deltas):
+                total = torch.zeros(reference.shape, dtype=torch.float32, device=reference.device)
+                for worker in gathered:
+                    total += self.compressor.decode([worker[index]]).float()
+                self.mean.append(total.div_(len(gathered)).to(reference.dtype))
+        self.works, self.payloads, self.gathers = [], [], []
+        return self.mean
 
 
 def payload_nbytes(compressor: Codec | None, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:

@@ -33,20 +33,20 @@ the same step as an uninterrupted run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.compress.base import Codec, Payload
+from lowcomm.compress.base import Codec
 from lowcomm.optim.args import Args, one_of_error, raise_argument_errors
 from lowcomm.optim.diloco import (
     EXCHANGES,
     InnerOptimizer,
+    PendingMean,
     outer_direction_,
     payload_nbytes,
-    reduces_quantized,
 )
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoArgs"]
@@ -104,12 +104,7 @@ class _Exchange:
 
     fragment: int
     due: int
-    # while in flight: per wire dtype, the gathered buffers, the work and how to cut them up
-    pending: list[tuple[list[torch.Tensor], Any, list[tuple[int, str, torch.Size]]]] = field(default_factory=list)
-    payloads: list[Payload] = field(default_factory=list)
-    dense: list[torch.Tensor] | None = None  # all-reduced (dense or quantized): the tensors, in place
-    works: list[Any] = field(default_factory=list)
-    mean: list[torch.Tensor] | None = None  # once received: the worker mean of Delta_p
+    mean: PendingMean  # the worker mean of Delta_p, on its way until waited for
 
 
 class StreamingDiLoCo(torch.optim.Optimizer):
@@ -179,45 +174,14 @@ class StreamingDiLoCo(torch.optim.Optimizer):
     @torch.no_grad()
     def _send(self, fragment: int) -> None:
         deltas = [g - p for g, p in zip(self._global[fragment], self.fragments[fragment], strict=True)]
-        exchange = _Exchange(fragment, self.local_step + self.overlap)
-        if self.compressor is None:
-            for delta in deltas:
-                exchange.works.append(self.comm.all_reduce(delta, op="avg", async_op=True))
-            exchange.dense = deltas
-        elif reduces_quantized(self.exchange, self.compressor):
-            # the mean lands in deltas themselves
-            exchange.works.append(self.comm.all_reduce_quantized(deltas, self.compressor, async_op=True))
-            exchange.dense = deltas
-        else:
-            exchange.payloads = [self.compressor.encode(delta) for delta in deltas]
-            exchange.pending = _start_all_gather(self.comm, exchange.payloads)
-        self._in_flight.append(exchange)
-
-    def _resolve(self, exchange: _Exchange) -> list[torch.Tensor]:
-        """Wait for an exchange and return (and keep) the worker mean of its Delta."""
-        if exchange.mean is not None:
-            return exchange.mean
-        if exchange.dense is not None:
-            for work in exchange.works:
-                work.wait()
-            exchange.mean = exchange.dense
-        else:
-            gathered = _finish_all_gather(exchange.pending, exchange.payloads, self.comm.world_size)
-            mean = []
-            for index, reference in enumerate(self.fragments[exchange.fragment]):
-                total = torch.zeros(reference.shape, dtype=torch.float32, device=reference.device)
-                for worker in gathered:
-                    total += self.compressor.decode([worker[index]]).float()
-                mean.append(total.div_(len(gathered)).to(reference.dtype))
-            exchange.mean = mean
-        exchange.pending, exchange.payloads, exchange.dense, exchange.works = [], [], None, []
-        return exchange.mean
+        mean = PendingMean.start(self.comm, deltas, self.compressor, self.exchange)
+        self._in_flight.append(_Exchange(fragment, self.local_step + self.overlap, mean))
 
     @torch.no_grad()
     def _receive(self, exchange: _Exchange) -> None:
         fragment = exchange.fragment
         for index, (mean, global_, local) in enumerate(zip(
-                self._resolve(exchange), self._global[fragment], self.fragments[fragment], strict=True)):
+                exchange.mean.wait(), self._global[fragment], self.fragments[fragment], strict=True)):
             direction = mean.clone()
             momentum = self._momentum[fragment][index] if self._momentum is not None else None
             outer_direction_(direction, momentum, self.outer_momentum, self.nesterov)
@@ -235,7 +199,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
             "local_step": self.local_step,
             "global_params": [list(fragment) for fragment in self._global],
             "outer_momentum": [list(f) for f in self._momentum] if self._momentum is not None else None,
-            "in_flight": [{"fragment": e.fragment, "due": e.due, "mean": list(self._resolve(e))}
+            "in_flight": [{"fragment": e.fragment, "due": e.due, "mean": list(e.mean.wait())}
                           for e in self._in_flight],
         }
 
@@ -254,7 +218,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.local_step = int(state_dict["local_step"])
         self._in_flight = [
-            _Exchange(int(e["fragment"]), int(e["due"]), mean=[t.clone() for t in e["mean"]])
+            _Exchange(int(e["fragment"]), int(e["due"]), PendingMean.done([t.clone() for t in e["mean"]]))
             for e in state_dict["in_flight"]
         ]
 
@@ -288,32 +252,6 @@ class StreamingDiLoCo(torch.optim.Optimizer):
             offset = p * sync_every // count
             per_offset[offset] = per_offset.get(offset, 0) + nbytes
         return max(per_offset.values())
-
-
-def _start_all_gather(comm: Communicator, payloads: Sequence[Payload]):
-    """Start one asynchronous all-gather per wire dtype of ``payloads`` (as
-    :func:`lowcomm.optim.diloco.all_gather_payloads`, which is blocking)."""
-    segments: dict[torch.dtype, list[tuple[int, str, torch.Size]]] = {}
-    for index, payload in enumerate(payloads):
-        for key, tensor in payload.tensors.items():
-            segments.setdefault(tensor.dtype, []).append((index, key, tensor.shape))
-    started = []
-    for entries in segments.values():
-        flat = torch.cat([payloads[index].tensors[key].reshape(-1) for index, key, _ in entries])
-        buffers, work = comm.all_gather(flat, async_op=True)
-        started.append((buffers, work, entries))
-    return started
-
-
-def _finish_all_gather(started, payloads: Sequence[Payload], world_size: int) -> list[list[Payload]]:
-    gathered = [[Payload(tensors={}, meta=p.meta) for p in payloads] for _ in range(world_size)]
-    for buffers, work, entries in started:
-        work.wait()
-        sizes = [shape.numel() for _, _, shape in entries]
-        for rank, buffer in enumerate(buffers):
-            for (index, key, shape), piece in zip(entries, buffer.split(sizes), strict=True):
-                gathered[rank][index].tensors[key] = piece.view(shape)
-    return gathered
 
 
 def fragment_params(named: Iterable[tuple[str, torch.nn.Parameter]], num_fragments: int,

@@ -176,7 +176,7 @@ def comm_overlap(run: RunRecord) -> float:
         raise ValueError(f"{run.path}: its optimizer config does not validate: {exc}") from exc
     parameters = (run.summary or {}).get("parameters") or count_parameters(
         build_model(ModelSpec(**run.config["model"]), "meta"))
-    return strategy.comm_overlap(cfg, int(parameters))
+    return strategy.comm_overlap(cfg, int(parameters), run.config.get("compression"))
 
 
 def compute_seconds_per_step(run: RunRecord) -> float:

@@ -268,9 +268,11 @@ class Strategy:
         return WireBytes(payload, tx / 1000, rx / 1000)
 
     @classmethod
-    def comm_overlap(cls, cfg: StrategyConfig, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: StrategyConfig, parameters: int,  # noqa: ARG003
+                     compression: dict[str, Any] | None = None) -> float:  # noqa: ARG003
         """The share of a step's compute that this strategy's traffic can run behind, for a model
-        of ``parameters`` parameters, in the wall-clock model (:mod:`lowcomm.report.wallclock`).
+        of ``parameters`` parameters sending through ``compression`` (the run's compression
+        group; None: none), in the wall-clock model (:mod:`lowcomm.report.wallclock`).
         0: every step waits for its bytes (DeMo's all-gathers follow the backward pass; DiLoCo's
         outer step waits for its sync)."""
         return 0.0

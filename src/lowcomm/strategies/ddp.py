@@ -61,7 +61,7 @@ class DDPStrategy(Strategy):
     bucket_cap_mb: float = 25.0
 
     @classmethod
-    def comm_overlap(cls, cfg, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg, parameters: int, compression=None) -> float:  # noqa: ARG003
         """DDP all-reduces each bucket of ``bucket_cap_mb`` MiB of fp32 gradients as soon as the
         backward pass has filled it, so the traffic of every bucket but the last can hide behind
         the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token): 2/3 x

@@ -49,6 +49,7 @@ class DiLoCoStrategy(OuterLoopStrategy):
                   Row("DiLoCo H=10, 2-bit quantized", "optimizer.sync_every=10", "compression=quantize"))
     mid_period = ("optimizer.sync_every=2",)
     cycle = Cycle(2, "optimizer.sync_every=2")
+    algorithm: ClassVar[type[DiLoCo]] = DiLoCo  # a variant of the outer loop (eager DiLoCo) names its own
 
     @classmethod
     def accepts_codec(cls, codec: type[Codec]) -> bool:
@@ -68,6 +69,6 @@ class DiLoCoStrategy(OuterLoopStrategy):
 
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DiLoCo]:
         params = trainable_parameters(model)
-        optimizer = DiLoCo(params, self.make_inner_optimizer(model, params), self.cfg, compressor=self.codec(),
-                           comm=self.comm)
+        optimizer = self.algorithm(params, self.make_inner_optimizer(model, params), self.cfg,
+                                   compressor=self.codec(), comm=self.comm)
         return model, optimizer

@@ -77,7 +77,7 @@ class StreamingDiLoCoStrategy(Strategy):
         return model, optimizer
 
     @classmethod
-    def comm_overlap(cls, cfg: StreamingDiLoCoConfig, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: StreamingDiLoCoConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
         """A fragment is sent every sync_every / num_fragments steps and merged ``overlap``
         (tau) inner steps later: its exchange runs behind tau steps of compute. Under the
         quantized all-reduce only the all-to-all, about half of its bytes, is in flight then;
