@@ -28,10 +28,12 @@ metered traffic into time on a link, with one stated model:
   from the kernel's byte counters.
 - ``overlap`` is the strategy's own (``Strategy.comm_overlap``): DDP's all-reduce of every
   gradient bucket but the last runs during the backward pass (2/3 of a step; none for a model
-  whose gradients fit one bucket), Streaming DiLoCo's fragments behind tau inner steps, the
-  others not at all. Where the run measured more (``perf/in_flight_s``: the time each step went
-  on computing while an asynchronous collective of its was in flight, e.g. DeMo's all-gather
-  of one bucket while it encodes the next), the traffic hides behind that much instead:
+  whose gradients fit one bucket), Streaming DiLoCo's fragments behind tau inner steps, eager
+  DiLoCo's all-reduce behind the next H (its quantized all-reduce's all-to-all only: the
+  strategy is told the run's compression group), the others not at all. Where the run
+  measured more (``perf/in_flight_s``: the time each step went on computing while an
+  asynchronous collective of its was in flight, e.g. DeMo's all-gather of one bucket while it
+  encodes the next), the traffic hides behind that much instead:
   ``overlap x compute`` becomes ``max(overlap x compute, in flight)``.
 
 The model is applied window by window between logged steps, from the cumulative counters
