@@ -255,6 +255,21 @@ def test_bytes_are_diloco_s_and_the_state_is_per_rank():
     assert EagerDiLoCoStrategy.replicated_state_keys == () and not EagerDiLoCoStrategy.replicated_optimizer_state
     _, optimizer = eager.build(model)
     assert type(optimizer) is EagerDiLoCo and optimizer.sync_every == 8
+    for _ in range(8):  # one outer step in one process: every piece of state exists
+        model(torch.randn(3, 8)).square().mean().backward()
+        optimizer.step()
+    assert _tensor_bytes(optimizer.state_dict()) == 7 * params
+
+
+def _tensor_bytes(state) -> int:
+    """Bytes of the state's tensors, AdamW's 0-dim step counters aside."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size() if state.dim() else 0
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_tensor_bytes(value) for value in state)
+    return 0
 
 
 def test_the_whole_exchange_hides_behind_the_next_inner_phase():
