@@ -41,6 +41,7 @@ from lowcomm.compress.e3m0 import E3M0
 from lowcomm.config import ConfigError, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
 from lowcomm.optim.eager_diloco import EagerDiLoCo, EagerDiLoCoArgs
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoConfig, DiLoCoStrategy
@@ -217,6 +218,23 @@ def test_three_workers_with_nesterov_momentum_match_the_simulation():
         for step, (ours, theirs) in enumerate(zip(results[rank], simulated, strict=True)):
             torch.testing.assert_close(ours, theirs[rank], rtol=0, atol=1e-12, msg=f"rank {rank}, step {step + 1}")
     assert not torch.equal(results[0][-1], results[1][-1])  # every worker its own outer parameters
+
+
+def test_one_worker_is_diloco():
+    """W = 1: the arrived mean is the worker's own stale pseudo-gradient, so the eager direction
+    is the fresh one, DiLoCo's (up to the rounding of mean + fresh - stale)."""
+    start = _start()
+    params = [torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())]
+    args = dict(sync_every=3, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    inner = lambda ps: torch.optim.AdamW(ps, lr=0.05)  # noqa: E731
+    optimizers = [EagerDiLoCo([params[0]], inner, EagerDiLoCoArgs.defaults(mode="eager", **args)),
+                  DiLoCo([params[1]], inner, DiLoCoArgs.defaults(**args))]
+    for step in range(12):
+        for param, optimizer in zip(params, optimizers, strict=True):
+            param.grad = _gradient(0, step, param.shape)
+            optimizer.step()
+        torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-12, msg=f"step {step + 1}")
+    assert not torch.equal(params[0].detach(), start)
 
 
 # ---------------------------------------------------------------------------- config, strategy
