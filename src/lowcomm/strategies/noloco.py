@@ -99,7 +99,7 @@ class NoLoCoStrategy(OuterLoopStrategy):
         return 0.0, 3 * parameter_bytes(model) + self.inner_state_bytes(model)
 
     @classmethod
-    def comm_overlap(cls, cfg: NoLoCoConfig, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: NoLoCoConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
         """0: the outer step needs the peer's weights before it can move, and the next inner
         phase starts from the result, so the exchange is waited for where it is issued (as in
         the reference, whose sends block). What NoLoCo saves is the wait for the slowest of W
