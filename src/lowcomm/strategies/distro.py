@@ -54,7 +54,7 @@ class DisTrOStrategy(DeMoStrategy):
         return parameter_bytes(model), parameter_bytes(model) + elements
 
     @classmethod
-    def comm_overlap(cls, cfg: DisTrOConfig, parameters: int) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: DisTrOConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
         """1: every bucket's all-gather starts in step t once the bucket is encoded and is waited
         for in step t+1 after every bucket of step t+1 is encoded, so a whole step's compute (the
         rest of step t's optimizer step, step t+1's forward, backward and encoding) runs while it
