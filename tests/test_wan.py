@@ -78,3 +78,23 @@ def test_two_nodes_shape_each_veth_and_leave_the_loopbacks_alone(tmp_path):
     assert 0 < shaped["kernel_MB_per_step"] < shaped["metered_tx_MB_per_step"] / 10
     assert shaped["framing_bytes_per_message"] > 0 and shaped["comm_s_per_step"] > 0
     assert "2 nodes x 2 gloo workers" in (tmp_path / "summary.md").read_text()
+
+
+def test_every_optimizer_the_benchmark_names_is_a_valid_config(tmp_path):
+    """A renamed key or method fails here, not after an hour of shaped runs; --overlapped pairs
+    each overlapped method with its blocking self at the same bytes per step."""
+    sys.path.insert(0, str(WAN.parent))
+    try:
+        import wan
+    finally:
+        sys.path.remove(str(WAN.parent))
+    from lowcomm.config import validate
+    from lowcomm.config.compose import compose
+
+    runs = {label: validate(compose(wan._overrides(label, 10, tmp_path, 2))) for label in wan.OPTIMIZERS}
+    demo, distro, diloco, eager = (runs[label] for label in wan.OVERLAPPED_OPTIMIZERS)
+    assert (demo.optimizer_name, distro.optimizer_name, diloco.optimizer_name, eager.optimizer_name) == (
+        "demo", "distro", "diloco", "eager_diloco")
+    assert demo.optimizer.wire == distro.optimizer.wire == "signbit"
+    assert demo.optimizer.compression_topk == distro.optimizer.compression_topk == 32
+    assert diloco.optimizer.sync_every == eager.optimizer.sync_every == 10
