@@ -253,6 +253,7 @@ def test_sweep_run_only_trains_the_named_jobs_and_the_baseline(tmp_path, stand_i
     assert {label for label, *_ in stand_in} == {"DeMo k=1", "AdamW-DDP"}
     summary = (out / "summary.md").read_text()
     assert "| DeMo k=1 |" in summary and "| AdamW-DDP |" in summary and "DeMo k=4" not in summary
+    assert summary.startswith("Some of three's jobs (--only): DeMo k=1, AdamW-DDP; the runs of the others are not")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -113,6 +113,8 @@ def test_traffic_hides_behind_the_time_the_run_measured_it_in_flight():
     assert item.seconds == pytest.approx([0.5 + 1 - 0.3, 2 * (0.5 + 1 - 0.3)])
     assert step_seconds(1.0, 0.2, 0.0, in_flight_s=0.5) == pytest.approx(1.0)  # all of it hidden
     assert step_seconds(1.0, 1.0, 0.5, in_flight_s=0.2) == pytest.approx(1.5)  # the larger of the two
+    # in flight for 3 s of a 1 s step (its rank waited 2 s on a flag queued behind it): it hid 1 s, not 3
+    assert step_seconds(1.0, 3.0, 1.0, in_flight_s=3.0) == pytest.approx(3.0)
 
 
 def test_intra_node_traffic_crosses_the_intra_node_link():

@@ -589,13 +589,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     groups = seed_groups([load_run(run.run_dir) for _point, entries in sorted(final.items()) for _job, run in entries])
     rows = seed_rows(groups, baseline)
     text = seed_table(rows)
+    if args.only:
+        text = (f"Some of {sweep.name}'s jobs (--only): {', '.join(g.label for g in groups)}; the runs of the others "
+                f"are not in this table.\n\n{text}")
     if tuned is not None:
         text += "\n\n" + _tuning_text(sweep, tuned)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text + "\n")
     write_csv(rows, out / "summary.csv")
     figures = plot_seed_bands([(g.label, g.runs) for g in groups], out, formats=("png",),
-                              title=f"{sweep.name}: validation loss over seeds")
+                              title=f"{sweep.name}{' (--only)' if args.only else ''}: validation loss over seeds")
     counts = sorted({len(group.runs) for group in groups})
     seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
     print(f"\n[{sweep.name}] {len(groups)} groups of {seeds} seeds, {sum(len(g.runs) for g in groups)} runs, in "

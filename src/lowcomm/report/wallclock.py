@@ -130,8 +130,10 @@ def parse_bandwidth(text: str) -> float:
 
 def step_seconds(compute_s: float, comm_s: float, overlap: float, in_flight_s: float = 0.0) -> float:
     """One step (or window): compute, plus the traffic that the compute could not hide: the
-    strategy's ``overlap`` share of it, or the ``in_flight_s`` the run measured, the larger."""
-    return compute_s + max(0.0, comm_s - max(overlap * compute_s, in_flight_s))
+    strategy's ``overlap`` share of it, or the ``in_flight_s`` the run measured, the larger, and
+    never behind more than the compute itself: a collective in flight while its rank waited for
+    another (a control flag queued behind it on the same link) hid nothing in that time."""
+    return compute_s + max(0.0, comm_s - min(compute_s, max(overlap * compute_s, in_flight_s)))
 
 
 @dataclass

@@ -236,7 +236,6 @@ class Trainer:
             lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))
             t0 = self.clock()
             loss = self.train_step(step)
-            compute_s += self.clock() - t0
             window_steps += 1
             done = step + 1
             # Every rank agrees, in one control all-reduce, on a stop request (a stop at the last
@@ -247,6 +246,9 @@ class Trainer:
             asked = self.should_stop is not None and bool(self.should_stop())
             requested = asked and done < train.max_steps
             stop, diverged = self.comm.agree_all([requested, not self._finite(local)])
+            # the step's time runs to here: where an asynchronous exchange is still in flight on
+            # the same link, the flag waits behind its bytes, and that wait is the step's
+            compute_s += self.clock() - t0
             saving = bool((train.checkpoint_every and done % train.checkpoint_every == 0)
                           or done == train.max_steps or stop)
             reason = self._divergence(local) if diverged else None
