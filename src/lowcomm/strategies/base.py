@@ -174,6 +174,11 @@ class Strategy:
     cycle: ClassVar[Cycle] = Cycle()
     replicated_optimizer_state: ClassVar[bool] = True
     replicated_state_keys: ClassVar[tuple[str, ...]] = ()
+    # True where the exchange started in one step is waited for in a later one (it is in flight
+    # at the step boundary): the loop then agrees its per-step stop and divergence flags one
+    # boundary late, since on a link the two share the flag would queue behind those bytes and
+    # the step would wait for what it meant to hide (benchmarks/wan.py --overlapped measured it)
+    exchange_spans_steps: ClassVar[bool] = False
 
     def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg

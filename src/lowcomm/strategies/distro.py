@@ -30,6 +30,7 @@ class DisTrOStrategy(DeMoStrategy):
     name = "distro"
     Config = DisTrOConfig
     display = Display("DisTrO", marker="d", color="darkgoldenrod")
+    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     # DeMo's quickstart lr (the same update rule: lr x sign); k=4 and the 1-bit wire are the yaml's
     quickstart = (Point("DisTrO k=4 1-bit", "optimizer.lr=6e-3"),)
     table1_tiny = quickstart

@@ -43,6 +43,7 @@ class EagerDiLoCoStrategy(DiLoCoStrategy):
     name = "eager_diloco"
     Config = EagerDiLoCoConfig
     display = Display("Eager DiLoCo", marker="H", color="navy")
+    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     # DiLoCo's inner lr and H; a gentler outer step, because three quarters of the mean arrive one
     # outer step late at W = 4 (final val loss of the quickstart run, outer lr / momentum:
     # 0.7 / 0.9 4.28, 0.4 / 0.9 3.62, 0.4 / 0.8 3.33; DiLoCo's point 3.25)

@@ -55,6 +55,7 @@ class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
     Config = StreamingDiLoCoConfig
     display = Display("Streaming DiLoCo", marker=">", color="C9")
+    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",
                         "optimizer.num_fragments=2"),)
     table1_tiny = quickstart

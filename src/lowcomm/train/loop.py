@@ -124,6 +124,52 @@ def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str
                            reduction=reduction)
 
 
+class _StepFlags:
+    """The per-step agreement of every rank on a stop request and a diverged loss (one control
+    all-reduce of two flags per step boundary).
+
+    At once by default. ``late`` (a strategy whose exchange is in flight across the boundary,
+    :attr:`~lowcomm.strategies.base.Strategy.exchange_spans_steps`): a boundary's flags are
+    started there and read at the next boundary, so that on a link they share they queue behind
+    the exchange while the next step computes, instead of making this one wait for it. A request
+    or a divergence then takes effect one step later (every rank still acts at the same boundary,
+    the divergence reported at the step whose loss it was); a boundary that writes a checkpoint
+    or ends the run (``now``) agrees its own flags at once as well, so that no checkpoint holds a
+    diverged step and no request is left unheard."""
+
+    def __init__(self, comm: Communicator, *, late: bool):
+        self.comm, self.late = comm, late
+        self._pending = None  # (boundary, local loss, PendingFlags) of the previous boundary
+
+    def agree(self, boundary: int, requested: bool, loss: float, finite: bool, *, now: bool,
+              ) -> tuple[bool, bool, int, float]:
+        """(stop, diverged, the boundary whose loss diverged, this rank's loss there)."""
+        if not self.late:
+            stop, diverged = self.comm.agree_all([requested, not finite])
+            return stop, diverged, boundary, loss
+        stop, diverged, diverged_at, diverged_loss = False, False, boundary, loss
+        if self._pending is not None:
+            earlier, earlier_loss, pending = self._pending
+            self._pending = None
+            stop, diverged = pending.result()
+            if diverged:
+                diverged_at, diverged_loss = earlier, earlier_loss
+        if now:
+            current = self.comm.agree_all([requested, not finite])
+            stop = stop or current[0]
+            if current[1] and not diverged:
+                diverged = True
+        else:
+            self._pending = (boundary, loss, self.comm.agree_all_later([requested, not finite]))
+        return stop, diverged, diverged_at, diverged_loss
+
+    def drain(self) -> None:
+        """Read the flags still in flight (before leaving the loop: every rank started them)."""
+        if self._pending is not None:
+            self._pending[2].result()
+            self._pending = None
+
+
 class Trainer:
     def __init__(self, run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None):
         self.run, self.env, self.should_stop = run, env, should_stop
@@ -230,6 +276,7 @@ class Trainer:
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
         preempted, val_loss, divergence = False, None, None
+        flags = _StepFlags(self.comm, late=self.strategy.exchange_spans_steps)
         self.model.train()
         step = start
         for step in range(start, train.max_steps):
@@ -245,18 +292,19 @@ class Trainer:
             # reached (a SIGTERM's deadline, lowcomm.train.stop.StopDeadline)
             asked = self.should_stop is not None and bool(self.should_stop())
             requested = asked and done < train.max_steps
-            stop, diverged = self.comm.agree_all([requested, not self._finite(local)])
-            # the step's time runs to here: where an asynchronous exchange is still in flight on
-            # the same link, the flag waits behind its bytes, and that wait is the step's
-            compute_s += self.clock() - t0
-            saving = bool((train.checkpoint_every and done % train.checkpoint_every == 0)
-                          or done == train.max_steps or stop)
-            reason = self._divergence(local) if diverged else None
+            due = bool((train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps)
+            stop, diverged, diverged_at, diverged_loss = flags.agree(done, requested, local, self._finite(local),
+                                                                     now=due)
+            stop = stop and done < train.max_steps  # a stop at the last step is moot
+            saving = due or stop
+            reason = self._divergence(diverged_loss) if diverged else None
             if saving and not diverged and self.comm.agree(not self._parameters_finite()):
                 diverged, reason = True, "the parameters are not finite after the update"
             if diverged:
+                flags.drain()
+                compute_s += self.clock() - t0
                 self.comm.meter.end_step()
-                divergence = {"step": done, "reason": reason, "lr": lr,
+                divergence = {"step": diverged_at, "reason": reason, "lr": lr,
                               "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
                 break
             record: dict = {}
@@ -270,6 +318,10 @@ class Trainer:
                 if in_flight > 0:  # asynchronous collectives in flight while this rank computed
                     record["perf/in_flight_s"] = in_flight / window_steps
                 window_t0, window_steps = self.clock(), 0
+            # The step's time runs to here, validation and checkpoints left out: the flags and
+            # the logged loss are control all-reduces, and where an exchange is still in flight on
+            # the link they share, they wait behind its bytes; that wait is the step's
+            compute_s += self.clock() - t0
             if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
                 val_loss = self.validate()
                 record["val/loss"] = val_loss
@@ -286,6 +338,7 @@ class Trainer:
             if saving:
                 self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
             if stop:
+                flags.drain()
                 preempted = True
                 break
         if divergence is not None:
