@@ -24,6 +24,7 @@ from lowcomm.launch.estimate import checkpoint_estimate
 from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.rundir import RunDir
+from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.loop import DeviceClock, Trainer, next_token_loss, pick_device, validation_batches
 from runs import point_id, quickstart_points, tiny_run
@@ -36,8 +37,11 @@ def _control_traffic_worker(rank: int, world: int, run) -> dict:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     trainer = Trainer(run, env)
     out = {"val_loss": trainer.validate()}
-    out["mean"] = trainer.mean_over_ranks(torch.tensor(float(rank)))
-    out["agree"] = trainer.comm.agree(rank == world - 1)  # the per-step preemption flag
+    # the per-step agreement (stop, divergence, the logged loss) and the checkpoint's flag
+    boundary = Boundary(1, float(rank), requested=rank == world - 1, acceptable=True, lr=0.0, logged=True)
+    (agreed,) = BoundaryAgreement(trainer.comm).submit(boundary)
+    out["mean"], out["stop"] = agreed.mean_loss, agreed.stop
+    out["agree"] = trainer.comm.agree(rank == world - 1)
     trainer.checkpoints.save(1, trainer.model, trainer.optimizer, consumed=run.train.global_batch_size)
     out["control_device"] = str(trainer.comm.control_device)
     out["breakdown"] = trainer.comm.meter.breakdown()  # before the restore resets the meter
@@ -61,7 +65,7 @@ def test_harness_collectives_run_beside_a_backend_that_accepts_only_cuda_tensors
         assert out["control_device"] == "cpu"
         assert math.isfinite(out["val_loss"]) and out["val_loss"] == results[0]["val_loss"]
         assert out["mean"] == 0.5
-        assert out["agree"] is True
+        assert out["stop"] is True and out["agree"] is True
         assert out["restored_step"] == 1
         assert "all_reduce (data, scope world): tensor on cpu" in out["data_error"]
         assert "cuda:gloo" in out["data_error"], out["data_error"]

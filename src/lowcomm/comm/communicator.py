@@ -104,19 +104,6 @@ class _AllWork:
         return all(work.is_completed() for work in self._works)
 
 
-class PendingFlags:
-    """Flags agreed over every rank (:meth:`Communicator.agree_all_later`), read once arrived."""
-
-    def __init__(self, value: torch.Tensor, work):
-        self._value, self._work = value, work
-
-    def result(self) -> list[bool]:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return [bool(v) for v in self._value.tolist()]
-
-
 class _TimedWork:
     """A ``dist.Work`` whose ``wait()`` tells the meter how long the collective was in flight
     before it (:meth:`CommMeter.in_flight`): the time the caller went on working while its
@@ -434,13 +421,6 @@ class Communicator:
         value = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32, device=self.control_device)
         self.all_reduce(value, op="max", purpose="control")
         return [bool(v) for v in value.tolist()]
-
-    def agree_all_later(self, flags: Sequence[bool]) -> PendingFlags:
-        """:meth:`agree_all` started now and read later (:meth:`PendingFlags.result`): the
-        all-reduce runs while the caller works, so that where it queues behind an exchange still
-        in flight on the same link, nobody waits for it until the next step."""
-        value = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32, device=self.control_device)
-        return PendingFlags(value, self.all_reduce(value, op="max", async_op=True, purpose="control"))
 
     def first(self, flag: bool) -> int | None:
         """The lowest rank where ``flag`` is true, the same on every rank; None where it is

@@ -174,11 +174,6 @@ class Strategy:
     cycle: ClassVar[Cycle] = Cycle()
     replicated_optimizer_state: ClassVar[bool] = True
     replicated_state_keys: ClassVar[tuple[str, ...]] = ()
-    # True where the exchange started in one step is waited for in a later one (it is in flight
-    # at the step boundary): the loop then agrees its per-step stop and divergence flags one
-    # boundary late, since on a link the two share the flag would queue behind those bytes and
-    # the step would wait for what it meant to hide (benchmarks/wan.py --overlapped measured it)
-    exchange_spans_steps: ClassVar[bool] = False
 
     def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg
@@ -281,6 +276,16 @@ class Strategy:
         0: every step waits for its bytes (DeMo's all-gathers follow the backward pass; DiLoCo's
         outer step waits for its sync)."""
         return 0.0
+
+    @classmethod
+    def report_lag(cls, cfg: StrategyConfig) -> int:  # noqa: ARG003
+        """How many step boundaries the loop may wait before it reads a boundary's agreement
+        (stop, divergence, logged losses: :mod:`lowcomm.train.boundary`): the steps this
+        strategy's exchange stays in flight after it starts. On a link shared with the
+        exchange, the agreement queues behind its bytes; read at once, it would make the step
+        wait for what the strategy hides. 0: the exchange is waited for in the step that
+        starts it, and the agreement is read at once."""
+        return 0
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if state:

@@ -30,7 +30,6 @@ class DisTrOStrategy(DeMoStrategy):
     name = "distro"
     Config = DisTrOConfig
     display = Display("DisTrO", marker="d", color="darkgoldenrod")
-    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     # DeMo's quickstart lr (the same update rule: lr x sign); k=4 and the 1-bit wire are the yaml's
     quickstart = (Point("DisTrO k=4 1-bit", "optimizer.lr=6e-3"),)
     table1_tiny = quickstart
@@ -53,6 +52,11 @@ class DisTrOStrategy(DeMoStrategy):
             return 0.0, parameter_bytes(model)
         elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return parameter_bytes(model), parameter_bytes(model) + elements
+
+    @classmethod
+    def report_lag(cls, cfg: DisTrOConfig) -> int:  # noqa: ARG003
+        """1: a step's all-gather is waited for in the next step."""
+        return 1
 
     @classmethod
     def comm_overlap(cls, cfg: DisTrOConfig, parameters: int, compression=None) -> float:  # noqa: ARG003

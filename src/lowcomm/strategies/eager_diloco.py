@@ -43,7 +43,6 @@ class EagerDiLoCoStrategy(DiLoCoStrategy):
     name = "eager_diloco"
     Config = EagerDiLoCoConfig
     display = Display("Eager DiLoCo", marker="H", color="navy")
-    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     # DiLoCo's inner lr and H; a gentler outer step, because three quarters of the mean arrive one
     # outer step late at W = 4 (final val loss of the quickstart run, outer lr / momentum:
     # 0.7 / 0.9 4.28, 0.4 / 0.9 3.62, 0.4 / 0.8 3.33; DiLoCo's point 3.25)
@@ -58,6 +57,11 @@ class EagerDiLoCoStrategy(DiLoCoStrategy):
     cycle = Cycle(2, "optimizer.sync_every=2")
     replicated_state_keys = ()  # outer parameters and momentum differ per worker under the eager rule
     algorithm = EagerDiLoCo
+
+    @classmethod
+    def report_lag(cls, cfg: EagerDiLoCoConfig) -> int:
+        """H: an outer step's all-reduce is waited for at the next outer step."""
+        return cfg.sync_every
 
     @classmethod
     def comm_overlap(cls, cfg: EagerDiLoCoConfig, parameters: int,  # noqa: ARG003

@@ -55,7 +55,6 @@ class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
     Config = StreamingDiLoCoConfig
     display = Display("Streaming DiLoCo", marker=">", color="C9")
-    exchange_spans_steps = True  # its exchange is waited for steps after it starts
     quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",
                         "optimizer.num_fragments=2"),)
     table1_tiny = quickstart
@@ -76,6 +75,11 @@ class StreamingDiLoCoStrategy(Strategy):
         inner = functools.partial(adamw, model, self.cfg)
         optimizer = StreamingDiLoCo(self.fragments(model), inner, self.cfg, compressor=self.codec(), comm=self.comm)
         return model, optimizer
+
+    @classmethod
+    def report_lag(cls, cfg: StreamingDiLoCoConfig) -> int:
+        """tau: a fragment's all-reduce is merged ``overlap`` inner steps after it starts."""
+        return cfg.overlap
 
     @classmethod
     def comm_overlap(cls, cfg: StreamingDiLoCoConfig, parameters: int, compression=None) -> float:  # noqa: ARG003

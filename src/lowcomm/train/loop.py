@@ -26,6 +26,7 @@ from lowcomm.distenv import DistEnv
 from lowcomm.hardware import bf16_peak_flops
 from lowcomm.models import build_model, count_parameters, flops_per_token
 from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
@@ -124,52 +125,6 @@ def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str
                            reduction=reduction)
 
 
-class _StepFlags:
-    """The per-step agreement of every rank on a stop request and a diverged loss (one control
-    all-reduce of two flags per step boundary).
-
-    At once by default. ``late`` (a strategy whose exchange is in flight across the boundary,
-    :attr:`~lowcomm.strategies.base.Strategy.exchange_spans_steps`): a boundary's flags are
-    started there and read at the next boundary, so that on a link they share they queue behind
-    the exchange while the next step computes, instead of making this one wait for it. A request
-    or a divergence then takes effect one step later (every rank still acts at the same boundary,
-    the divergence reported at the step whose loss it was); a boundary that writes a checkpoint
-    or ends the run (``now``) agrees its own flags at once as well, so that no checkpoint holds a
-    diverged step and no request is left unheard."""
-
-    def __init__(self, comm: Communicator, *, late: bool):
-        self.comm, self.late = comm, late
-        self._pending = None  # (boundary, local loss, PendingFlags) of the previous boundary
-
-    def agree(self, boundary: int, requested: bool, loss: float, finite: bool, *, now: bool,
-              ) -> tuple[bool, bool, int, float]:
-        """(stop, diverged, the boundary whose loss diverged, this rank's loss there)."""
-        if not self.late:
-            stop, diverged = self.comm.agree_all([requested, not finite])
-            return stop, diverged, boundary, loss
-        stop, diverged, diverged_at, diverged_loss = False, False, boundary, loss
-        if self._pending is not None:
-            earlier, earlier_loss, pending = self._pending
-            self._pending = None
-            stop, diverged = pending.result()
-            if diverged:
-                diverged_at, diverged_loss = earlier, earlier_loss
-        if now:
-            current = self.comm.agree_all([requested, not finite])
-            stop = stop or current[0]
-            if current[1] and not diverged:
-                diverged = True
-        else:
-            self._pending = (boundary, loss, self.comm.agree_all_later([requested, not finite]))
-        return stop, diverged, diverged_at, diverged_loss
-
-    def drain(self) -> None:
-        """Read the flags still in flight (before leaving the loop: every rank started them)."""
-        if self._pending is not None:
-            self._pending[2].result()
-            self._pending = None
-
-
 class Trainer:
     def __init__(self, run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None):
         self.run, self.env, self.should_stop = run, env, should_stop
@@ -226,9 +181,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / len(micro_batches)
 
-    @torch.no_grad()
     def validate(self) -> float:
-        """Mean next-token loss over the fixed validation slice, across all ranks.
+        """Mean next-token loss over the fixed validation slice, across all ranks."""
+        totals = torch.tensor(self.validation_totals(), dtype=torch.float64, device=self.comm.control_device)
+        self.comm.all_reduce(totals, purpose="control")
+        return float(totals[0] / totals[1])
+
+    @torch.no_grad()
+    def validation_totals(self) -> tuple[float, float]:
+        """This rank's share of the validation slice: (summed next-token loss, tokens).
 
         Every rank runs the same number of forwards: under FSDP (FlexDeMo) each forward is a
         collective, and the ``[rank::W]`` split leaves some ranks one instance short. A rank
@@ -237,22 +198,15 @@ class Trainer:
         micro_batch = self.run.train.micro_batch_size
         batches = validation_batches(len(self.data.val), self.run.train.eval_instances, micro_batch,
                                      self.comm.rank, self.comm.world_size)
-        totals = torch.zeros(2, dtype=torch.float64)
+        nll_sum, count = 0.0, 0
         for indices, counted in batches:
             tokens = self.data.val.batch(indices).to(self.device)
             with self.autocast:
                 nll = next_token_loss(self.strategy.unwrap(self.model), tokens, reduction="sum")
             if counted:
-                totals += torch.tensor([nll.item(), tokens[:, 1:].numel()], dtype=torch.float64)
-        totals = totals.to(self.comm.control_device)
-        self.comm.all_reduce(totals, purpose="control")
+                nll_sum, count = nll_sum + nll.item(), count + tokens[:, 1:].numel()
         self.model.train()
-        return float(totals[0] / totals[1])
-
-    def mean_over_ranks(self, value: torch.Tensor) -> float:
-        value = value.detach().to(self.comm.control_device, torch.float64).reshape(1)
-        self.comm.all_reduce(value, op="avg", purpose="control")
-        return float(value.item())
+        return nll_sum, float(count)
 
     # ------------------------------------------------------------------- loop
     def fit(self) -> TrainResult:
@@ -276,7 +230,7 @@ class Trainer:
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
         preempted, val_loss, divergence = False, None, None
-        flags = _StepFlags(self.comm, late=self.strategy.exchange_spans_steps)
+        agreement = BoundaryAgreement(self.comm, self.strategy.report_lag(self.strategy.cfg))
         self.model.train()
         step = start
         for step in range(start, train.max_steps):
@@ -285,60 +239,59 @@ class Trainer:
             loss = self.train_step(step)
             window_steps += 1
             done = step + 1
-            # Every rank agrees, in one control all-reduce, on a stop request (a stop at the last
-            # step is moot: the run finishes and writes its summary) and on a diverged loss.
             local = float(loss)  # the step's clock has waited for the device already
             # the flag is read at every boundary, the last included: reading it marks the boundary
-            # reached (a SIGTERM's deadline, lowcomm.train.stop.StopDeadline)
+            # reached (a SIGTERM's deadline, lowcomm.train.stop.StopDeadline); a stop at the last
+            # step is moot: the run finishes and writes its summary
             asked = self.should_stop is not None and bool(self.should_stop())
-            requested = asked and done < train.max_steps
             due = bool((train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps)
-            stop, diverged, diverged_at, diverged_loss = flags.agree(done, requested, local, self._finite(local),
-                                                                     now=due)
-            stop = stop and done < train.max_steps  # a stop at the last step is moot
-            saving = due or stop
-            reason = self._divergence(diverged_loss) if diverged else None
-            if saving and not diverged and self.comm.agree(not self._parameters_finite()):
-                diverged, reason = True, "the parameters are not finite after the update"
-            if diverged:
-                flags.drain()
-                compute_s += self.clock() - t0
-                self.comm.meter.end_step()
-                divergence = {"step": diverged_at, "reason": reason, "lr": lr,
-                              "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
-                break
-            record: dict = {}
-            if done % train.log_every == 0 or done == train.max_steps:
-                record["train/loss"] = self.mean_over_ranks(loss)
-                record["opt/lr"] = lr
+            here = Boundary(done, local, requested=asked and done < train.max_steps, acceptable=self._finite(local),
+                            lr=lr, logged=done % train.log_every == 0 or done == train.max_steps)
+            if here.logged:
                 elapsed = self.clock() - window_t0
-                record["perf/tokens_per_s"] = tokens_per_step * window_steps / elapsed
-                record["perf/step_s"] = elapsed / window_steps
+                here.record.update({"opt/lr": lr, "perf/tokens_per_s": tokens_per_step * window_steps / elapsed,
+                                    "perf/step_s": elapsed / window_steps})
                 in_flight = self.comm.meter.take_in_flight_s()
                 if in_flight > 0:  # asynchronous collectives in flight while this rank computed
-                    record["perf/in_flight_s"] = in_flight / window_steps
+                    here.record["perf/in_flight_s"] = in_flight / window_steps
                 window_t0, window_steps = self.clock(), 0
-            # The step's time runs to here, validation and checkpoints left out: the flags and
-            # the logged loss are control all-reduces, and where an exchange is still in flight on
-            # the link they share, they wait behind its bytes; that wait is the step's
-            compute_s += self.clock() - t0
+            # the step's time is everything but the validation forwards and the checkpoint: the
+            # agreement's waits are the step's, since where an exchange is still in flight on the
+            # link they share they wait behind its bytes
+            excluded = 0.0
             if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
-                val_loss = self.validate()
-                record["val/loss"] = val_loss
-                if self.data.bayes_floor is not None:
-                    record["val/bayes_floor"] = self.data.bayes_floor
-                progress.last_val = f" | val {val_loss:.4f}" + (
-                    f" (floor {self.data.bayes_floor:.4f})" if self.data.bayes_floor is not None else "")
-            comm_metrics = self.comm.meter.end_step()
-            if record:
-                writer.log(done, {**record, **comm_metrics})
-                if "train/loss" in record:
-                    progress.report(step, record["train/loss"], comm_metrics["comm/cum_payload_MB"],
+                t_val = self.clock()
+                here.validation = self.validation_totals()
+                excluded += self.clock() - t_val
+            here.record.update(self.comm.meter.end_step())
+            agreed = agreement.submit(here, now=due)
+            stop = any(a.stop for a in agreed) and done < train.max_steps
+            if stop or any(a.diverged for a in agreed):
+                agreed += agreement.drain()  # every rank leaves here: read what is still in flight
+            first_diverged = next((i for i, a in enumerate(agreed) if a.diverged), None)
+            for a in agreed[:first_diverged]:  # what came before a divergence is logged
+                record = a.record()
+                writer.log(a.step, record)
+                if a.val_loss is not None:
+                    val_loss = a.val_loss
+                    progress.last_val = f" | val {val_loss:.4f}" + (
+                        f" (floor {self.data.bayes_floor:.4f})" if self.data.bayes_floor is not None else "")
+                if a.boundary.logged:
+                    progress.report(a.step - 1, a.mean_loss, record["comm/cum_payload_MB"],
                                     record["perf/tokens_per_s"])
+            saving = due or stop
+            diverged = None if first_diverged is None else agreed[first_diverged].boundary
+            reason = None if diverged is None else self._divergence(diverged.loss)
+            if saving and diverged is None and self.comm.agree(not self._parameters_finite()):
+                diverged, reason = here, "the parameters are not finite after the update"
+            compute_s += self.clock() - t0 - excluded
+            if diverged is not None:
+                divergence = {"step": diverged.step, "reason": reason, "lr": diverged.lr,
+                              "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
+                break
             if saving:
                 self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
             if stop:
-                flags.drain()
                 preempted = True
                 break
         if divergence is not None:
