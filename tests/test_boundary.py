@@ -5,6 +5,7 @@ its bytes on a shared link), and at once wherever a checkpoint is due."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,8 +15,11 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate_optimizer
 from lowcomm.config.compose import compose
+from lowcomm.launch.local import launch_local
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
+from lowcomm.train.metrics import read_metrics
+from runs import tiny_run
 
 
 def _run(agreement: BoundaryAgreement, plan: dict[int, tuple[bool, float]], due: set[int] = frozenset(),
@@ -97,3 +101,19 @@ def test_every_strategy_states_its_report_lag_and_a_lag_means_hidden_traffic(nam
     expected = {"distro": 1, "eager_diloco": cfg.sync_every if name == "eager_diloco" else None,
                 "streaming_diloco": getattr(cfg, "overlap", None)}.get(name, 0)
     assert lag == expected
+
+
+@pytest.mark.slow
+def test_a_late_run_logs_the_boundaries_it_logs_in_order_with_their_own_losses(tmp_path):
+    """Eager DiLoCo at H=2 reads each boundary two boundaries later: metrics.jsonl still holds one
+    line per logged or validated boundary, in order, each with that boundary's losses."""
+    run = tiny_run(tmp_path, "optimizer=eager_diloco", "optimizer.sync_every=2", "train.log_every=2",
+                   "train.eval_every=3", "train.checkpoint_every=0", max_steps=6)
+    launch_local(run)
+    records = read_metrics(run.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 3, 4, 6]
+    assert [r["step"] for r in records if "train/loss" in r] == [2, 4, 6]
+    assert [r["step"] for r in records if "val/loss" in r] == [3, 6]
+    assert all(math.isfinite(r.get("train/loss", 0.0)) and math.isfinite(r.get("val/loss", 0.0)) for r in records)
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["final_val_loss"] == records[-1]["val/loss"] and summary["steps"] == 6

@@ -270,6 +270,8 @@ class Trainer:
                 agreed += agreement.drain()  # every rank leaves here: read what is still in flight
             first_diverged = next((i for i, a in enumerate(agreed) if a.diverged), None)
             for a in agreed[:first_diverged]:  # what came before a divergence is logged
+                if not (a.boundary.logged or a.boundary.validation is not None):
+                    continue
                 record = a.record()
                 writer.log(a.step, record)
                 if a.val_loss is not None:
