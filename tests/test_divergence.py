@@ -92,3 +92,23 @@ def test_reports_rank_a_diverged_run_worst_and_say_so(tmp_path):
     assert Group("bad", [bad]).mean == math.inf > Group("ok", [ok]).mean
     notes = build_table1([ok, bad]).notes
     assert any("diverged at step" in note and "ranked worst" in note for note in notes)
+
+
+def test_a_lagged_agreement_names_the_same_diverged_step_as_an_agreement_read_at_once(tmp_path):
+    """Eager DiLoCo at H=4 reads each boundary's agreement 4 boundaries late
+    (Strategy.report_lag); with a checkpoint at every step it reads each at once. The same run
+    diverges at the same step either way, logs nothing from it on, and keeps no checkpoint of it."""
+    found = {}
+    for every in (0, 1):
+        done = _train(tmp_path / f"every{every}", "optimizer=eager_diloco", "optimizer.sync_every=4",
+                      "optimizer.lr=1000", "train.warmup_steps=0", "train.log_every=1",
+                      f"train.checkpoint_every={every}", "train.divergence_factor=null")
+        assert done.returncode == EXIT_DIVERGED, done.stdout[-3000:] + done.stderr[-3000:]
+        run_dir = _run_dir(tmp_path / f"every{every}")
+        step = json.loads((run_dir / "summary.json").read_text())["diverged"]["step"]
+        logged = [r["step"] for r in load_run(run_dir).metrics]
+        assert logged == list(range(1, step)), (every, step, logged)
+        checkpoints = [int(path.name.split("_")[1]) for path in (run_dir / "checkpoints").glob("step_*")]
+        assert all(c < step for c in checkpoints)
+        found[every] = step
+    assert found[0] == found[1] and 1 < found[0] < 30

@@ -145,26 +145,33 @@ StopDeadline(flag, signal.SIGTERM, 1.0, expire).start()
 print("ready", flush=True)
 if sys.argv[1] == "blocked":  # waits forever, as a rank in a collective whose peer is stopped
     os.read(os.pipe()[0], 1)
-else:  # a step boundary comes after half a second: the flag is read there, the checkpoint follows
+elif sys.argv[1] == "read":  # the flag is read at every boundary, but the ranks act on it later
+    while True:
+        flag()
+        time.sleep(0.1)
+else:  # the boundary that acts on it comes after half a second; the checkpoint follows
     time.sleep(0.5)
-    flag()
+    assert flag()
+    flag.honour()
     time.sleep(2)
     print("checkpoint written", flush=True)
 """
 
 
-@pytest.mark.parametrize("case", ["blocked", "boundary"])
+@pytest.mark.parametrize("case", ["blocked", "read", "boundary"])
 def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so(case):
-    """lowcomm.train.stop.StopDeadline, with a bound of 1 s: a process that never reaches its
-    step boundary leaves with the signal's status once the bound passes (its watch wakes on the
-    signal itself, through set_wakeup_fd, whatever the main thread is blocked in); a boundary
-    reached in time disarms it, and the checkpoint that follows may take longer."""
+    """lowcomm.train.stop.StopDeadline, with a bound of 1 s: a process that never reaches the
+    step boundary where it acts on the request leaves with the signal's status once the bound
+    passes (its watch wakes on the signal itself, through set_wakeup_fd, whatever the main thread
+    is blocked in), also where it reads the request at every boundary but its ranks agree on it
+    later (a lagged agreement, lowcomm.train.boundary); a boundary reached in time disarms it,
+    and the checkpoint that follows may take longer."""
     child = subprocess.Popen([sys.executable, "-c", _NEVER_AT_A_BOUNDARY, case], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     sent = time.monotonic()
     child.send_signal(signal.SIGTERM)
     out, _ = child.communicate(timeout=30)
-    if case == "blocked":
+    if case in ("blocked", "read"):
         assert (child.returncode, out.strip()) == (143, "left on SIGTERM")
         assert time.monotonic() - sent < 5
     else:

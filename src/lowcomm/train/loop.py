@@ -263,6 +263,8 @@ class Trainer:
                 t_val = self.clock()
                 here.validation = self.validation_totals()
                 excluded += self.clock() - t_val
+                if self.data.bayes_floor is not None:
+                    here.record["val/bayes_floor"] = self.data.bayes_floor
             here.record.update(self.comm.meter.end_step())
             agreed = agreement.submit(here, now=due)
             stop = any(a.stop for a in agreed) and done < train.max_steps
@@ -287,6 +289,8 @@ class Trainer:
             if saving and diverged is None and self.comm.agree(not self._parameters_finite()):
                 diverged, reason = here, "the parameters are not finite after the update"
             compute_s += self.clock() - t0 - excluded
+            if stop or diverged is not None or done == train.max_steps:
+                self._leaving()
             if diverged is not None:
                 divergence = {"step": diverged.step, "reason": reason, "lr": diverged.lr,
                               "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
@@ -312,6 +316,14 @@ class Trainer:
             RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2, allow_nan=False))
         writer.close()
         return TrainResult(self.run_dir, final_step, preempted, summary)
+
+    def _leaving(self) -> None:
+        """Tell ``should_stop`` (where it wants to know: ``honour()``, a
+        :class:`~lowcomm.train.stop.StopFlag`) that the loop has reached the boundary it leaves
+        at: a SIGTERM's deadline counts to here, not to the boundary that read the request."""
+        honour = getattr(self.should_stop, "honour", None)
+        if honour is not None:
+            honour()
 
     # ------------------------------------------------------------ divergence
     @property

@@ -34,7 +34,10 @@ TERM_BOUNDARY_S = 20
 class StopFlag:
     """Callable as the loop's ``should_stop``: True once one of its signals has arrived;
     ``received`` is the first that did (None before), ``honoured`` whether the loop has since
-    reached a step boundary (read the flag as True)."""
+    reached the step boundary where it acts on it (:meth:`honour`: every rank stops there, or
+    the run ends there). A strategy whose exchange spans steps has the ranks agree on a request
+    some boundaries after it is read (:mod:`lowcomm.train.boundary`), so reading it is not
+    enough."""
 
     def __init__(self, *signums: int) -> None:
         self.signums = signums
@@ -60,14 +63,32 @@ class StopFlag:
             self.received = signum
 
     def __call__(self) -> bool:
+        return self.requested
+
+    def honour(self) -> None:
+        """The loop has reached the boundary where it leaves (a stop every rank agreed on, or the
+        end of the run)."""
         if self.requested:
             self.honoured = True
-        return self.requested
+
+
+class AnyStop:
+    """Several stop flags as one ``should_stop``: true where any is; :meth:`honour` honours each."""
+
+    def __init__(self, *flags: StopFlag) -> None:
+        self.flags = flags
+
+    def __call__(self) -> bool:
+        return any([flag() for flag in self.flags])  # every flag read (a list, not a generator)
+
+    def honour(self) -> None:
+        for flag in self.flags:
+            flag.honour()
 
 
 class StopDeadline:
-    """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary must come within
-    ``within_s`` seconds (the loop reads ``flag`` there); else ``expire(signum)`` runs, on a
+    """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary where the loop acts
+    on it must come within ``within_s`` seconds (the loop calls ``flag.honour()`` there); else ``expire(signum)`` runs, on a
     thread of its own, and must end the process.
 
     Python runs a signal handler only when the main thread returns to the interpreter, which a

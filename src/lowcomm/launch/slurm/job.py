@@ -22,7 +22,7 @@ from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
-from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
+from lowcomm.train.stop import TERM_BOUNDARY_S, AnyStop, StopDeadline, StopFlag
 from lowcomm.train.worker import leave_now, leave_without_checkpoint
 
 
@@ -92,7 +92,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                      lambda signum: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
         try:
             # both flags read at every boundary (a SIGTERM's deadline counts the reads)
-            result = train(run, DistEnv.from_environ(), should_stop=lambda: stop() | term())
+            result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
         except PeersLost as lost:
             if term.requested:  # the job is ending anyway: no requeue from here
                 if lost.reports:
