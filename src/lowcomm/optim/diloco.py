@@ -211,6 +211,18 @@ def outer_direction_(direction: torch.Tensor, momentum: torch.Tensor | None, bet
         direction.copy_(momentum)
 
 
+def outer_step_errors(sync_every: int, outer_lr: float, outer_momentum: float) -> list[str]:
+    """The rules of an outer loop's period and SGD step (every DiLoCo variant's, NoLoCo's)."""
+    errors = []
+    if sync_every < 1:
+        errors.append(f"sync_every must be >= 1, got {sync_every}")
+    if not outer_lr > 0:
+        errors.append(f"outer_lr must be > 0, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        errors.append(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+    return errors
+
+
 @dataclass(kw_only=True)
 class OuterArgs(Args):
     """The outer loop every DiLoCo variant shares (DiLoCo, MuLoCo, SparseLoCo).
@@ -227,13 +239,7 @@ class OuterArgs(Args):
     error_feedback: float | None
 
     def errors(self) -> list[str]:
-        errors = super().errors()
-        if self.sync_every < 1:
-            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
-        if not self.outer_lr > 0:
-            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        errors = super().errors() + outer_step_errors(self.sync_every, self.outer_lr, self.outer_momentum)
         if self.error_feedback is not None and not 0 <= self.error_feedback <= 1:
             errors.append(f"error_feedback must be null or in [0, 1], got {self.error_feedback}")
         return errors

@@ -43,6 +43,7 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.optim.args import Args
+from lowcomm.optim.diloco import outer_step_errors
 
 __all__ = ["NoLoCo", "NoLoCoArgs", "peer_groups"]
 
@@ -82,13 +83,7 @@ class NoLoCoArgs(Args):
     pull: float
 
     def errors(self) -> list[str]:
-        errors = super().errors()
-        if self.sync_every < 1:
-            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
-        if not self.outer_lr > 0:
-            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        errors = super().errors() + outer_step_errors(self.sync_every, self.outer_lr, self.outer_momentum)
         if not self.pull >= 0:
             errors.append(f"pull must be >= 0, got {self.pull}")
         return errors
