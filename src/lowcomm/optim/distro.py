@@ -110,7 +110,7 @@ class DisTrO(DeMo):
     def _look_ahead(self, param: torch.nn.Parameter, lr: float) -> None:
         """Move the parameter (kept in ``_base``) by ``-lr sign(momentum)``."""
         state = self.state[param]
-        param.copy_(self._base[param]).sub_(state["lookahead"].to(param.dtype), alpha=lr)
+        param.copy_(self._base[param]).sub_(state["lookahead"], alpha=lr)  # int8 signs, promoted in place
         state["lookahead_lr"] = lr
 
     def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
@@ -119,10 +119,18 @@ class DisTrO(DeMo):
         direction of the lookahead (Psyche's ``delta.sign()``, taken before it subtracts)."""
         if not self.lookahead:
             return
-        if self._momentum_in_coefficients:
-            momentum = self._transform(momentum, layout, bases, inverse=True, out=torch.empty_like(momentum),
-                                       scratch=torch.empty_like(momentum))
-        self.state[param]["lookahead"] = momentum.sign().to(torch.int8).view(param.shape)
+        # in the work space DeMo's step leaves free here (the coefficients live in ``work`` on
+        # the parameter-domain path, and top-k has not run yet): fresh parameter-sized
+        # temporaries at every step cost a page fault per page on CPU
+        work, _scratch, spare = self._work_buffers(param)
+        if self._momentum_in_coefficients:  # (the identity transform hands back the momentum itself)
+            momentum = self._transform(momentum, layout, bases, inverse=True, out=work, scratch=spare)
+        signs = torch.sign(momentum.reshape(-1), out=spare)
+        state = self.state[param]
+        kept = state.get("lookahead")  # (torch's load_state_dict casts it to the parameter's dtype)
+        if kept is None or kept.shape != param.shape or kept.dtype != torch.int8:
+            state["lookahead"] = torch.empty(param.shape, dtype=torch.int8, device=param.device)
+        state["lookahead"].view(-1).copy_(signs.reshape(-1))
 
     def _take_back_lookahead(self) -> None:
         for group in self.param_groups:
