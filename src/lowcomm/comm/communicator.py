@@ -414,13 +414,9 @@ class Communicator:
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (a control all-reduce)."""
-        return self.agree_all([flag])[0]
-
-    def agree_all(self, flags: Sequence[bool]) -> list[bool]:
-        """Each of ``flags``, true on every rank if true on any rank: one control all-reduce."""
-        value = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32, device=self.control_device)
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.control_device)
         self.all_reduce(value, op="max", purpose="control")
-        return [bool(v) for v in value.tolist()]
+        return bool(value.item())
 
     def first(self, flag: bool) -> int | None:
         """The lowest rank where ``flag`` is true, the same on every rank; None where it is

@@ -94,22 +94,21 @@ class BoundaryAgreement:
         value = value.to(self.comm.control_device)
         work = self.comm.all_reduce(value, op="sum", async_op=True, purpose="control")
         self._pending.append((boundary, value, work))
-        keep = 0 if now else self.lag
+        return self._read_down_to(0 if now else self.lag)
+
+    def drain(self) -> list[Agreed]:
+        """Read every pending boundary (before leaving the loop: every rank started them)."""
+        return self._read_down_to(0)
+
+    def _read_down_to(self, keep: int) -> list[Agreed]:
+        """Read the oldest pending boundaries, in order, until ``keep`` are left."""
         out = []
         while len(self._pending) > keep:
             out.append(self._read(*self._pending.popleft()))
         return out
 
-    def drain(self) -> list[Agreed]:
-        """Read every pending boundary (before leaving the loop: every rank started them)."""
-        out = []
-        while self._pending:
-            out.append(self._read(*self._pending.popleft()))
-        return out
-
     def _read(self, boundary: Boundary, value: torch.Tensor, work) -> Agreed:
-        if work is not None:
-            work.wait()
+        work.wait()
         total = value.tolist()
         tokens = total[_VAL_TOKENS]
         val_loss = total[_VAL_NLL] / tokens if boundary.validation is not None and tokens > 0 else None

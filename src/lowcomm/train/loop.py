@@ -240,9 +240,7 @@ class Trainer:
             window_steps += 1
             done = step + 1
             local = float(loss)  # the step's clock has waited for the device already
-            # the flag is read at every boundary, the last included: reading it marks the boundary
-            # reached (a SIGTERM's deadline, lowcomm.train.stop.StopDeadline); a stop at the last
-            # step is moot: the run finishes and writes its summary
+            # a stop at the last step is moot: the run finishes and writes its summary
             asked = self.should_stop is not None and bool(self.should_stop())
             due = bool((train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps)
             here = Boundary(done, local, requested=asked and done < train.max_steps, acceptable=self._finite(local),
@@ -262,7 +260,7 @@ class Trainer:
             if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
                 t_val = self.clock()
                 here.validation = self.validation_totals()
-                excluded += self.clock() - t_val
+                excluded = self.clock() - t_val
                 if self.data.bayes_floor is not None:
                     here.record["val/bayes_floor"] = self.data.bayes_floor
             here.record.update(self.comm.meter.end_step())

@@ -2,8 +2,9 @@
 
 A signal handler must not save a checkpoint (every rank writes it together, through
 collectives), so it only sets a flag. The loop reads the flag after each step; the ranks agree
-through one all-reduce (a signal that reached one rank stops all of them at the same step),
-write a checkpoint together and return. Ctrl-C in a terminal, SIGTERM and SLURM's preemption
+through one all-reduce (a signal that reached one rank stops all of them at the same step: the
+next, or ``report_lag`` steps on for a strategy whose exchange spans steps), write a checkpoint
+together and return. Ctrl-C in a terminal, SIGTERM and SLURM's preemption
 signal (:class:`lowcomm.launch.slurm.PreemptionFlag`) all work this way.
 
 SIGTERM comes with a deadline: whoever sends it sends SIGKILL once its grace is over (SLURM's
@@ -79,7 +80,7 @@ class AnyStop:
         self.flags = flags
 
     def __call__(self) -> bool:
-        return any([flag() for flag in self.flags])  # every flag read (a list, not a generator)
+        return any(flag() for flag in self.flags)
 
     def honour(self) -> None:
         for flag in self.flags:
@@ -88,8 +89,8 @@ class AnyStop:
 
 class StopDeadline:
     """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary where the loop acts
-    on it must come within ``within_s`` seconds (the loop calls ``flag.honour()`` there); else ``expire(signum)`` runs, on a
-    thread of its own, and must end the process.
+    on it must come within ``within_s`` seconds (the loop calls ``flag.honour()`` there); else
+    ``expire(signum)`` runs, on a thread of its own, and must end the process.
 
     Python runs a signal handler only when the main thread returns to the interpreter, which a
     main thread blocked in a collective (a stopped peer) or in a long device call does not; so

@@ -91,7 +91,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
                      lambda signum: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
         try:
-            # both flags read at every boundary (a SIGTERM's deadline counts the reads)
+            # either flag stops the run; the loop honours both where it leaves (a SIGTERM's deadline)
             result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
         except PeersLost as lost:
             if term.requested:  # the job is ending anyway: no requeue from here
