@@ -39,6 +39,7 @@ import math
 import torch
 
 from lowcomm.compress.base import Payload
+from lowcomm.compress.block_topk import block_topk
 from lowcomm.compress.dct import BlockLayout
 from lowcomm.compress.quantize import BITS, pack_codes, statistical_codes, unpack_codes
 from lowcomm.compress.registry import register_codec
@@ -124,9 +125,8 @@ class ChunkedTopK:
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> Payload:
         layout = self.layout(tensor.shape)
-        blocks = layout.blocked(tensor.reshape(layout.rows, layout.cols)).reshape(layout.num_blocks, -1)
-        indices = blocks.abs().topk(self.kept_per_block(layout), dim=1, sorted=False).indices
-        values = blocks.gather(1, indices).reshape(-1)
+        indices, positions = block_topk(tensor.reshape(layout.rows, layout.cols), layout, self.kept_per_block(layout))
+        values = tensor.reshape(-1).index_select(0, positions.view(-1))
         if self.wire in TWELVE_BIT_WIRES:
             tensors = {"indices": pack_uint12(indices)}
         else:

@@ -38,6 +38,7 @@ import math
 import torch
 
 from lowcomm.compress.base import Payload
+from lowcomm.compress.block_topk import block_topk
 from lowcomm.compress.dct import BlockLayout, block_transform, dct_basis
 from lowcomm.compress.registry import register_codec
 
@@ -182,19 +183,11 @@ class DCTTopK:
         """The k largest-magnitude coefficients of every block of ``coefficients`` (block-in-
         place layout, ``rows x cols``). Returns their block-local indices ``(num_blocks, k)``
         (int64, row-major within the block), their flat positions in ``coefficients`` and their
-        signed values. ``scratch`` (``numel`` entries of the coefficients' dtype) holds the
-        gathered magnitudes; allocated when omitted."""
+        signed values. The selection is :func:`~lowcomm.compress.block_topk.block_topk`'s (exact;
+        among equal magnitudes at the k-th place its choice is unspecified, as torch.topk's is).
+        ``scratch`` (``numel`` entries of the coefficients' dtype) is its work space."""
         coefficients = coefficients.view(layout.rows, layout.cols)
-        shape = (layout.blocks_rows, layout.blocks_cols, layout.chunk_rows, layout.chunk_cols)
-        magnitudes = scratch.view(shape) if scratch is not None else coefficients.new_empty(shape)
-        torch.abs(layout.blocked(coefficients), out=magnitudes)
-        index = torch.topk(
-            magnitudes.view(layout.num_blocks, layout.block_numel),
-            self.kept_per_block(layout),
-            dim=1,
-            sorted=False,
-        ).indices
-        positions = layout.global_index(index)
+        index, positions = block_topk(coefficients, layout, self.kept_per_block(layout), scratch=scratch)
         # index_select of the flat positions: the same gather, several times faster on the CPU
         # than advanced indexing
         values = coefficients.reshape(-1).index_select(0, positions.view(-1)).view(positions.shape)
