@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from lowcomm.config import ConfigError
+from lowcomm.config.naming import derive_run_name
 from lowcomm.strategies import STRATEGIES
 from runs import tiny_run
 
@@ -96,6 +98,29 @@ def test_run_names_are_deterministic_and_ignore_logistics(tmp_path):
     c = tiny_run(tmp_path, "optimizer.lr=1e-3")
     assert a.run_name == b.run_name
     assert a.run_name != c.run_name and a.run_name.startswith("tiny-adamw_ddp-w2-")
+
+
+def test_weight_dtype_and_compile_are_checked(tmp_path):
+    assert "train.param_dtype='fp16' is not allowed; choose one of: fp32, bf16" in _error(
+        tmp_path, "train.param_dtype=fp16")
+    assert "train.compile='yes' is not allowed; choose one of: true, false, auto" in _error(
+        tmp_path, "train.compile=yes")
+
+
+def test_keys_added_to_train_keep_the_names_of_runs_started_before_them():
+    """A run named before train.param_dtype and train.compile existed keeps its name (and so
+    finds its checkpoints) at their defaults; bf16 weights train something else, compile does not."""
+    before = {"model": {"name": "tiny"}, "optimizer": {"name": "demo", "lr": 1e-3}, "compression": {"name": "none"},
+              "seed": 0, "train": {"max_steps": 300, "precision": "auto", "log_every": 10}}
+    with_defaults = copy.deepcopy(before)
+    with_defaults["train"].update(param_dtype="fp32", compile="auto")
+    assert derive_run_name(with_defaults, 4) == derive_run_name(before, 4)
+    compiled = copy.deepcopy(with_defaults)
+    compiled["train"]["compile"] = True
+    assert derive_run_name(compiled, 4) == derive_run_name(before, 4)
+    bf16 = copy.deepcopy(with_defaults)
+    bf16["train"]["param_dtype"] = "bf16"
+    assert derive_run_name(bf16, 4) != derive_run_name(before, 4)
 
 
 def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_path):

@@ -1,8 +1,9 @@
 """Every optimizer resumes exactly: a run stopped at a checkpoint that falls between two
 synchronisations continues bit for bit as if it had never stopped.
 
-Parametrised over the quickstart's optimizers, and the quickstart must cover every registered
-strategy, so a new optimizer cannot skip this test. Each run checkpoints at step 3 of 6, with
+Parametrised over the quickstart's optimizers (each strategy once more with bf16 weights,
+``train.param_dtype=bf16``), and the quickstart must cover every registered strategy, so a new
+optimizer cannot skip this test. Each run checkpoints at step 3 of 6, with
 the sync periods each strategy declares (``Strategy.mid_period``) so that step 3 is mid-period (workers' parameters, moments and in-flight
 exchanges differ from rank 0's there); the final checkpoint is then removed, as if the run had
 been killed after step 3, and the rerun must reproduce every file of the final checkpoint
@@ -24,6 +25,9 @@ from lowcomm.strategies import STRATEGIES
 from runs import point_id, quickstart_points, tiny_run
 
 POINTS = quickstart_points()
+# every point in fp32, and each strategy's first point again with bf16 weights (train.param_dtype)
+BF16_POINTS = sorted({point.split("|")[0]: point for point in sorted(POINTS, reverse=True)}.values())
+CASES = [(point, "fp32") for point in sorted(POINTS)] + [(point, "bf16") for point in BF16_POINTS]
 
 
 def test_the_quickstart_covers_every_registered_optimizer():
@@ -60,12 +64,21 @@ def _final_state(directory: Path) -> dict:
     return state
 
 
+def test_every_strategy_resumes_with_bf16_weights_too():
+    assert {point.split("|")[0] for point in BF16_POINTS} == {point.split("|")[0] for point in POINTS}
+
+
+def _model_state(state: dict) -> dict[str, torch.Tensor]:
+    return state["model.pt"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("point", sorted(POINTS), ids=point_id)
-def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point):
+@pytest.mark.parametrize(("point", "param_dtype"), CASES, ids=lambda case: point_id(case) if "|" in case else case)
+def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point, param_dtype):
     overrides = POINTS[point]
     name = overrides[0].split("=", 1)[1]
     run = tiny_run(tmp_path, "experiment=quickstart", *overrides, *STRATEGIES[name].mid_period, "wandb.mode=disabled",
+                   f"train.param_dtype={param_dtype}",
                    "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2",
                    "train.log_every=1", "train.eval_every=3", "train.eval_instances=16", "train.checkpoint_every=3",
                    "train.keep_checkpoints=3", max_steps=6)
@@ -79,6 +92,9 @@ def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point):
     shutil.rmtree(final)
     run_dir.summary.unlink()
     launch_local(run)
+
+    weights = {tensor.dtype for key, tensor in _model_state(reference).items() if tensor.is_floating_point()}
+    assert weights == {torch.bfloat16 if param_dtype == "bf16" else torch.float32}
 
     resumed = _final_state(final)
     assert resumed.keys() == reference.keys()

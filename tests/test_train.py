@@ -240,3 +240,21 @@ def test_the_launcher_refuses_to_resume_on_changed_data(tmp_path):
         handle.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(DataError, match=f"{train_file.resolve()} changed content"):
         launch_local(run)
+
+
+def test_a_compiled_model_trains_as_the_eager_one_and_its_checkpoint_keys_are_the_same(tmp_path):
+    """train.compile=true on the CPU (inductor): the same losses over 3 steps, and checkpoints an
+    eager run can read (nn.Module.compile adds no prefix to the state dict)."""
+    runs = {setting: tiny_run(tmp_path / setting, f"train.compile={setting}", "train.checkpoint_every=3",
+                              workers=1, max_steps=3)
+            for setting in ("false", "true")}
+    assert runs["false"].run_name == runs["true"].run_name  # how it runs, not what it trains
+    for run in runs.values():
+        launch_local(run)
+    losses = {setting: [r["train/loss"] for r in read_metrics(run.run_dir / "metrics.jsonl")]
+              for setting, run in runs.items()}
+    assert len(losses["true"]) == 3
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+    states = {setting: torch.load(list_checkpoints(run.run_dir / "checkpoints")[0] / "model.pt")
+              for setting, run in runs.items()}
+    assert states["true"].keys() == states["false"].keys()

@@ -9,7 +9,10 @@ from typing import Any
 # Keys that do not change what is trained, so they do not change the run name.
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
-              "divergence_factor")
+              "divergence_factor", "compile")
+# train keys added after runs were named: at these values they leave the name as it was, so a
+# run started before they existed still finds its checkpoints
+_ADDED_LATER = {"param_dtype": "fp32"}
 
 
 def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
@@ -18,7 +21,8 @@ def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
     logs, evaluates and checkpoints). A resume may change the rest, never this."""
     semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
     if isinstance(raw.get("train"), dict):  # (a hand-made config a report reads may have none)
-        semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+        semantic["train"] = {k: v for k, v in raw["train"].items()
+                             if k not in _LOGISTICS and (k, v) not in _ADDED_LATER.items()}
     return semantic
 
 

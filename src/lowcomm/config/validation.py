@@ -300,6 +300,10 @@ def _validate_train(train: TrainSpec, model: ModelSpec | None, cluster: ClusterS
     if train.max_grad_norm < 0:
         errors.append(f"train.max_grad_norm must be >= 0 (0 disables clipping), got {train.max_grad_norm}")
     _one_of(train.precision, ("auto", "fp32", "bf16"), "train.precision", errors)
+    _one_of(train.param_dtype, ("fp32", "bf16"), "train.param_dtype", errors)
+    if not (train.compile == "auto" or isinstance(train.compile, bool)):
+        errors.append(f"train.compile={train.compile!r} is not allowed; choose one of: true, false, auto "
+                      "(auto: on GPU only)")
     if train.checkpoint_every < 0 or train.eval_every < 0:
         errors.append("train.checkpoint_every and train.eval_every must be >= 0 (0 disables)")
     if train.keep_checkpoints < 1:

@@ -119,6 +119,11 @@ def validation_batches(num_instances: int, max_instances: int, micro_batch: int,
     return batches
 
 
+def compiles(setting: bool | str, device: torch.device) -> bool:
+    """Whether ``train.compile`` compiles the model on ``device``: ``auto`` on a GPU only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
 def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     logits = model(tokens[:, :-1]).logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1),
@@ -151,6 +156,10 @@ class Trainer:
         )
         self.data = open_data(run.data, train.seq_len, run.run_root, run.model.tokenizer)
         model = build_model(run.model, self.device, seed=run.seed)
+        if train.param_dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        if compiles(train.compile, self.device):
+            model.compile()  # in place: the state dict's keys, and so the checkpoints, are unchanged
         self.n_params = count_parameters(model)
         self.strategy = run.strategy_class(run.optimizer, run.compression, self.comm)
         self.model, self.optimizer = self.strategy.build(model)
