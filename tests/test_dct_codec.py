@@ -20,7 +20,7 @@ from lowcomm.compress.dct import (
     dct_basis,
     random_orthonormal_basis,
 )
-from lowcomm.compress.dct_topk import WIRES, DCTTopK
+from lowcomm.compress.dct_topk import WIRES, DCTTopK, ordered_index_add_, rowwise_index_add_
 from lowcomm.compress.registry import build_codec
 
 
@@ -249,3 +249,14 @@ def test_aggregating_gathered_buffers_is_bit_identical_to_per_worker_aggregation
     overlap = sum(int(c) > 1 for c in torch.bincount(torch.cat(
         [layouts[0].global_index(codec.unpack(payloads[w][0])[0]).view(-1) for w in range(world)])))
     assert overlap > 0  # workers chose some of the same coefficients: the mean-over-senders path ran
+
+
+@pytest.mark.parametrize("add", [ordered_index_add_, rowwise_index_add_], ids=["cpu_path", "cuda_path"])
+def test_workers_payloads_are_added_in_worker_order_on_either_path(add):
+    """Position 2 gets 1e8, then 1, then -1e8: in float32, worker order gives (1e8 + 1) - 1e8 = 0
+    (1e8 + 1 rounds to 1e8); any other order that adds the 1 last gives 1. CUDA's path (one
+    index_add_ per worker, runnable on the CPU) must round as the CPU's one index_add_ does."""
+    positions = torch.tensor([[0, 1, 2], [2, 0, 4], [1, 2, 3]])
+    values = torch.tensor([[1.0, 2.0, 1e8], [1.0, 3.0, 5.0], [4.0, -1e8, 6.0]])
+    target = add(torch.zeros(5), positions, values)
+    assert target.tolist() == [4.0, 6.0, 0.0, 6.0, 5.0]

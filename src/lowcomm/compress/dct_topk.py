@@ -93,14 +93,24 @@ def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def ordered_index_add_(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``target[positions[i]] += values[i]`` for i in order, so a position's sum is rounded the
-    same way on every worker and equals adding the workers' payloads one after another. On the
-    CPU ``index_add_`` runs in index order; on CUDA it uses atomics, whose order varies from run
-    to run with repeated positions, so the sort-based (stable, deterministic) accumulating
-    ``index_put_`` is used there."""
+    """``target[positions[w, i]] += values[w, i]`` for the rows w in order, the positions of one
+    row distinct (one worker's payload): a position's sum is rounded the same way on every
+    worker, as adding the workers' payloads one after another. On the CPU one ``index_add_`` of
+    the rows end to end runs in index order. On CUDA ``index_add_`` adds atomically, in an order
+    that varies from run to run where a position repeats; within one row none does (each
+    position gets one addition), so one ``index_add_`` per row is deterministic, and sorts
+    nothing, as the accumulating ``index_put_`` would."""
     if target.device.type == "cpu":
-        return target.index_add_(0, positions, values)
-    return target.index_put_((positions,), values, accumulate=True)
+        return target.index_add_(0, positions.reshape(-1), values.reshape(-1))
+    return rowwise_index_add_(target, positions, values)
+
+
+def rowwise_index_add_(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`ordered_index_add_`'s CUDA path (any device): one ``index_add_`` per row."""
+    rows = positions.shape[0]
+    for where, added in zip(positions.reshape(rows, -1), values.reshape(rows, -1), strict=True):
+        target.index_add_(0, where, added)
+    return target
 
 
 @register_codec("dct_topk")
@@ -252,7 +262,7 @@ class DCTTopK:
         sums.zero_()
         positions = [layout.global_index(index).view(-1) for index, _ in unpacked]
         for where, (_, values) in zip(positions, unpacked, strict=True):
-            ordered_index_add_(sums, where, values.reshape(-1))
+            sums.index_add_(0, where, values.reshape(-1))  # distinct positions: deterministic on CUDA too
         if len(payloads) > 1:
             tally = (counts if counts is not None else torch.empty_like(sums)).view(-1)
             touched = torch.cat(positions)
@@ -289,10 +299,10 @@ class DCTTopK:
             # disjoint, so a position's contributions arrive in worker order, as in
             # aggregate()'s one index_add_ per worker. One call per tensor, not one over their
             # concatenation: at W = 64 the copies of a concatenation cost as much as the adds.
-            where = layout.global_index(index, offset).view(-1)
-            ordered_index_add_(sums, where, sent.reshape(-1))
-            if tally is not None:
-                tally.index_add_(0, where, ones.expand(where.numel()))  # small integers: exact in any order
+            where = layout.global_index(index, offset).view(workers, -1)
+            ordered_index_add_(sums, where, sent.reshape(workers, -1))
+            if tally is not None:  # small integers: exact in any order
+                tally.index_add_(0, where.view(-1), ones.expand(where.numel()))
         if tally is not None:
             # the mean as one dense division by max(count, 1): a position nobody sent holds
             # 0 / 1 = 0, every other the same quotient as a division at the sent positions
