@@ -78,7 +78,7 @@ def _setup(layers: int, embedding: bool, threads: int, device: str):
     return params
 
 
-def _optimizer(name: str, params):
+def _optimizer(name: str, params, bucket_numel: int | None = None):
     import torch
 
     from lowcomm.optim import DeMo, DeMoArgs
@@ -86,7 +86,8 @@ def _optimizer(name: str, params):
     if name.startswith("adamw"):
         flags = {"adamw_foreach": {"foreach": True}, "adamw_fused": {"fused": True}}.get(name, {})
         return torch.optim.AdamW(params, lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95), **flags)
-    optimizer = DeMo(params, DeMoArgs.defaults())  # the paper's settings (configs/optimizer/demo.yaml)
+    # the paper's settings (configs/optimizer/demo.yaml)
+    optimizer = DeMo(params, DeMoArgs.defaults(bucket_numel=bucket_numel))
     # internal switch, kept for tests and this comparison: three dense transforms per step
     optimizer._momentum_in_coefficients = name == "demo"
     return optimizer
@@ -106,13 +107,14 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def peak_memory(name: str, layers: int, embedding: bool, threads: int, device: str) -> float:
+def peak_memory(name: str, layers: int, embedding: bool, threads: int, device: str,
+                bucket_numel: int | None = None) -> float:
     """In a fresh process: the peak memory (MB) of two steps of ``name`` above the parameters
     and gradients, optimizer state included."""
     import torch
 
     params = _setup(layers, embedding, threads, device)
-    optimizer = _optimizer(name, params)
+    optimizer = _optimizer(name, params, bucket_numel)
     _sync(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -150,7 +152,8 @@ def _dense_transforms(params):
     return step
 
 
-def step_times(names: list[str], layers: int, embedding: bool, steps: int, threads: int, device: str) -> dict:
+def step_times(names: list[str], layers: int, embedding: bool, steps: int, threads: int, device: str,
+               bucket_numel: int | None = None) -> dict:
     """In one process, on shared parameters and gradients: one warm-up step each, then
     ``steps`` rounds that time one step of every optimizer in turn, and the dense transforms
     alone (so a change in machine load hits all of them alike); then one profiled DeMo step
@@ -158,7 +161,7 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
     import torch
 
     params = _setup(layers, embedding, threads, device)
-    steppers = {name: _optimizer(name, params).step for name in names}
+    steppers = {name: _optimizer(name, params, bucket_numel).step for name in names}
     steppers[FLOOR] = _dense_transforms(params)
     for step in steppers.values():
         step()
@@ -171,7 +174,7 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
             _sync(device)
             times[name].append(time.perf_counter() - start)
     optimizers = {name: step.__self__ for name, step in steppers.items() if name != FLOOR}
-    phases = {}
+    phases, calls = {}, {}
     for name in names:
         if name.startswith("demo"):
             # the phases are host-side ranges: on CUDA, run with --device cuda to get the step
@@ -181,7 +184,20 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
                 _sync(device)
             totals = {event.key: event.cpu_time_total / 1e3 for event in profile.key_averages()}
             phases[name] = {phase: totals.get(f"DeMo.{phase}", 0.0) for phase in PHASES}
-    return {"times": times, "phases": phases, "numel": sum(p.numel() for p in params)}
+            calls[name] = operator_calls(profile)
+    return {"times": times, "phases": phases, "calls": calls, "numel": sum(p.numel() for p in params)}
+
+
+def operator_calls(profile) -> dict[str, int]:
+    """Operators called from Python in one profiled step (not those they call in turn): all of
+    them, and those that run a kernel (views, slices and reshapes only make tensor metadata).
+    Each is a round trip through the dispatcher; on CUDA each kernel is a launch."""
+    metadata = {"aten::view", "aten::slice", "aten::reshape", "aten::unsqueeze", "aten::expand", "aten::transpose",
+                "aten::numpy_T", "aten::split_with_sizes", "aten::select", "aten::split", "aten::as_strided",
+                "aten::t", "aten::permute", "aten::_reshape_alias", "aten::alias", "aten::detach", "aten::lift_fresh"}
+    top = [event.name for event in profile.events() if event.name.startswith("aten::")
+           and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))]
+    return {"all": len(top), "kernels": sum(name not in metadata for name in top)}
 
 
 def _ratio(times: dict[str, list[float]], name: str, reference: str) -> str:
@@ -236,6 +252,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each process")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--optimizers", nargs="+", default=DEFAULT_OPTIMIZERS, choices=list(OPTIMIZERS))
+    parser.add_argument("--bucket-numel", type=int, default=None,
+                        help="DeMo's optimizer.bucket_numel (default: the largest parameter's size); parameters of "
+                             "one block geometry in one bucket are transformed, selected and decoded as one stack")
     parser.add_argument("--decode-workers", nargs="*", type=int, default=[], metavar="W",
                         help="also time the aggregation of W workers' payloads (synthetic), per W")
     args = parser.parse_args()
@@ -243,21 +262,23 @@ def main() -> None:
 
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        timing = pool.apply(step_times, (args.optimizers, *geometry, args.steps, args.threads, args.device))
+        timing = pool.apply(step_times, (args.optimizers, *geometry, args.steps, args.threads, args.device,
+                                          args.bucket_numel))
         decode = {}
         if args.decode_workers:
             decode = pool.apply(decode_times, (args.decode_workers, *geometry, args.steps, args.threads, args.device))
     memory = {}
     for name in args.optimizers:
         with context.Pool(1) as pool:
-            memory[name] = pool.apply(peak_memory, (name, *geometry, args.threads, args.device))
+            memory[name] = pool.apply(peak_memory, (name, *geometry, args.threads, args.device, args.bucket_numel))
 
     times = timing["times"]
     what = "with" if args.embedding else "without"
     print(
         f"\nOne optimizer step on {timing['numel'] / 1e6:.1f}M fp32 parameters: {args.layers} OLMo-300M blocks "
         f"{what} the embedding; {args.device}, {args.threads} threads; medians of {args.steps} interleaved "
-        "rounds. DeMo: W=1 (compute only), chunk 64, top-32.\n"
+        "rounds. DeMo: W=1 (compute only), chunk 64, top-32, bucket_numel "
+        f"{args.bucket_numel or 'the largest parameter'}.\n"
     )
     header = f"{'optimizer':<38} {'step ms':>9} {'x AdamW':>8} {'x fused':>8} {'peak extra MB':>14}"
     print(header)
@@ -275,6 +296,8 @@ def main() -> None:
         for phase, ms in phases.items():
             print(f"  {phase:<12} {ms:>8.1f} ms  {ms / total:6.1%}")
         print(f"  {'total':<12} {total:>8.1f} ms")
+        calls = timing["calls"][name]
+        print(f"  operators called from Python: {calls['all']:,}, of them running a kernel: {calls['kernels']:,}")
     if decode:
         print("\nDeMo's aggregation of W workers' payloads (all parameters, one bucket; synthetic, paper wire)")
         for world, seconds in decode.items():

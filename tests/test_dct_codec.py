@@ -22,6 +22,7 @@ from lowcomm.compress.dct import (
 )
 from lowcomm.compress.dct_topk import WIRES, DCTTopK, ordered_index_add_, rowwise_index_add_
 from lowcomm.compress.registry import build_codec
+from lowcomm.optim.demo import stacked_layout
 
 
 # ------------------------------------------------------------------- chunk rule
@@ -260,3 +261,49 @@ def test_workers_payloads_are_added_in_worker_order_on_either_path(add):
     values = torch.tensor([[1.0, 2.0, 1e8], [1.0, 3.0, 5.0], [4.0, -1e8, 6.0]])
     target = add(torch.zeros(5), positions, values)
     assert target.tolist() == [4.0, 6.0, 0.0, 6.0, 5.0]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_what_receivers_decode_is_known_without_packing(wire):
+    """DeMo subtracts from a whole stack's momentum what receivers will decode: ``received``
+    must equal unpacking the packed payload, for every wire."""
+    codec = DCTTopK(chunk=8, topk=5, wire=wire)
+    tensor = torch.randn(16, 24, generator=torch.Generator().manual_seed(5))
+    layout = codec.layout(tensor.shape)
+    index, _, values = codec.select(block_transform(tensor, layout, *codec.bases(layout, "cpu", torch.float32)),
+                                    layout)
+    assert torch.equal(codec.received(values), codec.unpack(codec.pack(index, values, layout))[1])
+
+
+def test_payloads_laid_end_to_end_read_as_one_unless_a_sign_byte_is_split():
+    """6 blocks x k = 4 is 24 sign bits (three whole bytes); 3 blocks x 4 = 12 bits ends inside a
+    byte, which its payload pads: only the last tensor may do that."""
+    whole, split = BlockLayout.for_shape((8, 12), 4), BlockLayout.for_shape((4, 12), 4)
+    assert (whole.num_blocks, split.num_blocks) == (6, 3)
+    for wire in ("sign", "signbit"):
+        codec = DCTTopK(chunk=4, topk=4, wire=wire)
+        assert codec.stackable([whole, split]) and not codec.stackable([split, whole])
+    for wire in ("paper", "compact"):
+        assert DCTTopK(chunk=4, topk=4, wire=wire).stackable([split, whole])
+
+
+@pytest.mark.filterwarnings("ignore:a dimension of size")
+@pytest.mark.parametrize(("shapes", "bases"), [
+    ([(8, 12), (4, 12), (12, 12)], "dct"),  # both bases
+    ([(1, 24), (1, 24)], "dct"),  # 1-D: no left basis
+    ([(8, 7), (4, 7)], "dct"),  # 7 is prime: no right basis
+    ([(8, 12), (4, 12)], "identity"),
+])
+@pytest.mark.parametrize(("inverse", "beta"), [(False, 0.0), (False, 0.9), (True, 0.0)])
+def test_a_stack_of_row_blocks_transforms_bit_for_bit_as_their_concatenation(shapes, bases, inverse, beta):
+    generator = torch.Generator().manual_seed(6)
+    parts = [torch.randn(shape, generator=generator) for shape in shapes]
+    stacked = torch.cat(parts)
+    layout = stacked_layout([BlockLayout.for_shape(shape, 4) for shape in shapes])
+    assert layout.rows == stacked.shape[0]
+    left, right = DCTTopK(chunk=4).bases(layout, "cpu", torch.float32) if bases == "dct" else (None, None)
+    start = torch.randn(stacked.shape, generator=generator)
+    whole, pieces = start.clone(), start.clone()
+    block_transform(stacked, layout, left, right, inverse=inverse, out=whole, beta=beta, alpha=0.5)
+    block_transform(parts, layout, left, right, inverse=inverse, out=pieces, beta=beta, alpha=0.5)
+    assert torch.equal(pieces, whole)

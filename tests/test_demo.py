@@ -32,8 +32,9 @@ from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
 F64 = torch.float64
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # 2-D, non-dividing (chunks 2 x 3), 1-D, 3-D (seen as 4 x 24), short rows (2 < chunk), a prime
-# dimension (chunk 1 along it)
-SHAPES = [(8, 12), (10, 6), (24,), (4, 3, 8), (2, 8), (8, 7)]
+# dimension (chunk 1 along it); (4, 12) stacks with (8, 12) and the last (24,) with the first
+# (one block geometry and width: one transform, top-k and decode for both, when they share a bucket)
+SHAPES = [(8, 12), (4, 12), (10, 6), (24,), (4, 3, 8), (2, 8), (8, 7), (24,)]
 CHUNK, TOPK, STEPS, LR = 4, 3, 10, 0.01
 IGNORE_CHUNK_1 = pytest.mark.filterwarnings("ignore:a dimension of size")
 
@@ -231,8 +232,8 @@ def _bytes_worker(rank: int, world: int) -> bytes:  # noqa: ARG001
 @IGNORE_CHUNK_1
 def test_payload_bytes_of_a_four_worker_run_match_the_wire_formats():
     results = spawn_workers(_bytes_worker, 4)
-    # default buckets hold at most the largest parameter's 96 elements: [96], [60, 24], [96], [16, 56]
-    default_buckets = 4
+    # default buckets hold at most the largest parameter's 96 elements: [96], [48], [60, 24], [96], [16, 56, 24]
+    default_buckets = 5
     for wire in ("paper", "compact", "sign"):
         payload, tensors = expected_payload_bytes(wire)
         assert demo_payload_bytes(SHAPES, chunk=CHUNK, topk=TOPK, wire=wire) == payload
@@ -323,7 +324,8 @@ def _roundtrip(optimizer: DeMo) -> dict:
 
 
 @IGNORE_CHUNK_1
-@pytest.mark.parametrize("overrides", [{}, {"projection": "random", "base": "muon", "wire": "compact"}])
+@pytest.mark.parametrize("overrides", [{}, {"projection": "random", "base": "muon", "wire": "compact"},
+                                       {"bucket_numel": 10**9}, {"bucket_numel": 10**9, "parameter_domain": True}])
 def test_state_dict_round_trip_continues_identically(overrides):
     params = initial_params(torch.float32)
     optimizer = make_demo(params, overrides)
@@ -343,6 +345,23 @@ def test_state_dict_round_trip_continues_identically(overrides):
         for index in range(len(SHAPES)):
             assert torch.equal(got[step][index], expected[step][index])
     assert not all(torch.equal(a, b) for a, b in zip(without_state[-1], expected[-1], strict=True))
+
+
+@IGNORE_CHUNK_1
+def test_a_stack_keeps_its_momenta_in_one_buffer_and_a_checkpoint_per_parameter():
+    """(8, 12) and (4, 12) have one block geometry and width, as do the two (24,): in one bucket
+    each pair's momenta are views of one buffer, and its state_dict still holds one momentum per
+    parameter, of the parameter's shape."""
+    params = initial_params(torch.float32)
+    optimizer = make_demo(params, {}, bucket_numel=10**9)
+    run_steps(optimizer, params, 0, range(2))
+    momenta = [optimizer.state[param]["momentum_dct"] for param in params]
+    storage = [m.untyped_storage().data_ptr() for m in momenta]
+    assert storage[0] == storage[1] and storage[3] == storage[7]
+    assert len(set(storage)) == len(SHAPES) - 2
+    assert momenta[1].data_ptr() == momenta[0].data_ptr() + momenta[0].numel() * 4  # rows after rows
+    saved = _roundtrip(optimizer)["state"]
+    assert [tuple(saved[index]["momentum_dct"].shape) for index in range(len(SHAPES))] == SHAPES
 
 
 @IGNORE_CHUNK_1

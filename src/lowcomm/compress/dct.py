@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,7 @@ def random_orthonormal_basis(
 
 
 def block_transform(
-    matrix: torch.Tensor,
+    matrix: torch.Tensor | Sequence[torch.Tensor],
     layout: BlockLayout,
     left: torch.Tensor | None,
     right: torch.Tensor | None,
@@ -167,22 +168,46 @@ def block_transform(
     read), so an accumulation costs no extra pass; ``scratch`` holds the intermediate product.
     Each has ``numel`` entries (any shape), is allocated when omitted, and must not overlap
     ``matrix`` or the other.
+
+    ``matrix`` may also be a sequence of tensors, the row blocks of the ``rows x cols`` matrix
+    from top to bottom (each a whole number of block rows: several parameters of one block
+    geometry, stacked as :class:`~lowcomm.optim.DeMo` stacks them). They are never copied
+    together: the first product is taken part by part, the second once for all of them.
     """
-    matrix = matrix.reshape(layout.rows, layout.cols)
+    parts = [matrix] if isinstance(matrix, torch.Tensor) else list(matrix)
+    parts = [part.reshape(-1, layout.cols) for part in parts]
     if out is None:
-        out = torch.empty_like(matrix)
+        out = parts[0].new_empty(layout.rows, layout.cols)
     out = out.view(layout.rows, layout.cols)
-    if left is None and right is None:
-        return out.mul_(beta).add_(matrix, alpha=alpha) if beta else torch.mul(matrix, alpha, out=out)
-    if right is not None:
-        # one (rows * blocks_cols, chunk_cols) x (chunk_cols, chunk_cols) product
-        rows_view = (-1, layout.chunk_cols)
-        basis = right if inverse else right.T
-        if left is None:
-            out.view(rows_view).addmm_(matrix.view(rows_view), basis, beta=beta, alpha=alpha)
-            return out
-        target = (scratch if scratch is not None else torch.empty_like(matrix)).view(rows_view)
-        matrix = torch.mm(matrix.view(rows_view), basis, out=target).view(layout.rows, layout.cols)
+    rows_view = (-1, layout.chunk_cols)
+    if left is None:  # one product (or scaled copy) per part, straight into its rows of ``out``
+        row = 0
+        for part in parts:
+            target = out[row : row + part.shape[0]]
+            row += part.shape[0]
+            if right is None:
+                if beta:
+                    target.mul_(beta).add_(part, alpha=alpha)
+                else:
+                    torch.mul(part, alpha, out=target)
+            else:
+                # one (rows * blocks_cols, chunk_cols) x (chunk_cols, chunk_cols) product
+                target.view(rows_view).addmm_(part.view(rows_view), right if inverse else right.T,
+                                              beta=beta, alpha=alpha)
+        return out
+    if right is not None or len(parts) > 1:
+        stacked = (scratch if scratch is not None else torch.empty_like(out)).view(layout.rows, layout.cols)
+        row = 0
+        for part in parts:
+            target = stacked[row : row + part.shape[0]]
+            row += part.shape[0]
+            if right is None:
+                target.copy_(part)
+            else:
+                torch.mm(part.view(rows_view), right if inverse else right.T, out=target.view(rows_view))
+        matrix = stacked
+    else:
+        matrix = parts[0]
     # chunk_rows x chunk_rows times each of the blocks_rows slabs of chunk_rows x cols
     slabs = (layout.blocks_rows, layout.chunk_rows, layout.cols)
     basis = (left.T if inverse else left).expand(layout.blocks_rows, -1, -1)

@@ -224,6 +224,29 @@ class DCTTopK:
             meta,
         )
 
+    def stackable(self, layouts: list[BlockLayout]) -> bool:
+        """Can the payloads of tensors with these layouts, laid end to end, be read as the
+        payload of their stacked matrix? Yes unless sign bits are packed (``sign``,
+        ``signbit``) and a tensor before the last ends inside a byte: each payload pads its
+        bits to a whole byte."""
+        if self.wire not in ("sign", "signbit"):
+            return True
+        return all(layout.num_blocks * self.kept_per_block(layout) % 8 == 0 for layout in layouts[:-1])
+
+    def received(self, values: torch.Tensor) -> torch.Tensor:
+        """What receivers decode for the selected ``values`` (``(num_blocks, k)``), computed
+        without packing: ``unpack(pack(index, values, layout))[1]``, for any number of blocks
+        (those of several tensors at once)."""
+        if self.wire == "paper":
+            return values
+        if self.wire == "compact":
+            return values.to(torch.bfloat16).to(values.dtype)
+        if self.wire == "signbit":
+            ones = torch.ones((), dtype=values.dtype, device=values.device)
+            return torch.where(torch.signbit(values), -ones, ones)
+        scale = values.abs().mean(dim=1).to(torch.bfloat16).to(values.dtype).unsqueeze(-1).expand(values.shape)
+        return torch.where(values < 0, -scale, scale)
+
     def unpack(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         """Block-local indices ``(num_blocks, k)`` int64 and the values a receiver decodes
         (what was sent, in the original dtype: exact for ``paper``, rounded otherwise). The

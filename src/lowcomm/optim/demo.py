@@ -34,6 +34,8 @@ aggregate; the momentum differs per worker and is in ``state_dict()``.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -96,6 +98,51 @@ class _Sent:
 
 
 @dataclass
+class _Stack:
+    """Parameters of one bucket and parameter group whose blocks have one geometry (chunk rows,
+    chunk columns) and whose matrices one width. Row over row they form one ``rows x cols``
+    matrix whose blocks are exactly theirs, so a transform, a top-k, a subtraction and an
+    inverse transform run once for all of them, not once per parameter: in OLMo every block's
+    ``att_proj``, ``attn_out`` and ``ff_proj`` (1024 wide) are one stack, its ``ff_out``
+    (4096 wide) another. Their momenta are one buffer, each parameter's state a view of it."""
+
+    params: list[torch.nn.Parameter]
+    layouts: list[BlockLayout]
+    group: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return tuple(id(param) for param in self.params)
+
+    @functools.cached_property
+    def layout(self) -> BlockLayout:
+        return stacked_layout(self.layouts)
+
+    def rows(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's rows of a stacked ``rows x cols`` matrix (views)."""
+        return list(matrix.view(self.layout.rows, self.layout.cols).split([part.rows for part in self.layouts]))
+
+    def block_spans(self) -> list[tuple[int, int]]:
+        """Each parameter's blocks in the stacked matrix's numbering: ``[first, last)``."""
+        spans, first = [], 0
+        for part in self.layouts:
+            spans.append((first, first + part.num_blocks))
+            first += part.num_blocks
+        return spans
+
+
+def stacked_layout(layouts: Sequence[BlockLayout]) -> BlockLayout:
+    """The layout of matrices of one block geometry and width stacked row over row: its blocks
+    are theirs (each has a whole number of block rows)."""
+    first = layouts[0]
+    if any((part.chunk_rows, part.chunk_cols, part.cols) != (first.chunk_rows, first.chunk_cols, first.cols)
+           for part in layouts):
+        raise ValueError(f"only layouts of one block geometry and width stack, got {layouts}")
+    rows = sum(part.rows for part in layouts)
+    return BlockLayout((rows, first.cols), rows, first.cols, first.chunk_rows, first.chunk_cols)
+
+
+@dataclass
 class _InFlight:
     """A bucket whose payloads are being all-gathered while the next bucket is encoded."""
 
@@ -105,6 +152,22 @@ class _InFlight:
     gathered: dict[torch.dtype, tuple[torch.Tensor, list[tuple[int, str, int, torch.Size]]]]
     works: list[Any]
 
+
+
+def _runs(sent: list[_Sent]) -> list[list[_Sent]]:
+    """Consecutive entries of a bucket that one inverse transform decodes: one block geometry
+    and width, one basis and one lr (a stack, as :meth:`DeMo._stacks` formed it)."""
+    runs: list[list[_Sent]] = []
+    for item in sent:
+        if runs:
+            last = runs[-1][-1]
+            if ((item.layout.chunk_rows, item.layout.chunk_cols, item.layout.cols, item.lr)
+                    == (last.layout.chunk_rows, last.layout.chunk_cols, last.layout.cols, last.lr)
+                    and all(a is b for a, b in zip(item.bases, last.bases, strict=True))):
+                runs[-1].append(item)
+                continue
+        runs.append([item])
+    return runs
 
 
 @dataclass(kw_only=True)
@@ -201,6 +264,7 @@ class DeMo(torch.optim.Optimizer):
         # every parameter and step: fresh multi-MB temporaries cost a page fault per page on CPU.
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._random_bases: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._stacked: dict[tuple[int, ...], torch.Tensor] = {}  # each stack's momenta (see _Stack)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -246,10 +310,11 @@ class DeMo(torch.optim.Optimizer):
         """Encode every parameter of the bucket, then start one all-gather per wire dtype of
         the concatenated payloads (into one W x n buffer each: no per-worker copies)."""
         sent, offset = [], 0
-        for param, group in bucket:
-            layout, bases, payload = self._encode(param, group)
-            sent.append(_Sent(param, layout, bases, group["lr"], payload, offset))
-            offset += layout.numel
+        for stack in self._stacks(bucket):
+            bases, payloads = self._encode(stack)
+            for param, layout, payload in zip(stack.params, stack.layouts, payloads, strict=True):
+                sent.append(_Sent(param, layout, bases, stack.group["lr"], payload, offset))
+                offset += layout.numel
         segments: dict[torch.dtype, list[tuple[int, str, int, torch.Size]]] = {}
         pieces: dict[torch.dtype, list[torch.Tensor]] = {}
         filled: dict[torch.dtype, int] = {}
@@ -268,43 +333,92 @@ class DeMo(torch.optim.Optimizer):
                 gathered[dtype] = (buffer.view(self.comm.world_size, -1), segments[dtype])
         return _InFlight(sent, offset, gathered, works)
 
-    def _encode(self, param: torch.nn.Parameter, group: dict[str, Any]) -> tuple[BlockLayout, _Bases, Payload]:
-        """Weight decay, momentum, top-k, subtraction of what is sent; return the payload."""
+    def _stacks(self, bucket: list[tuple[torch.nn.Parameter, dict[str, Any]]]) -> list[_Stack]:
+        """The bucket's parameters in stacks (see :class:`_Stack`), in order of first appearance."""
+        stacks: dict[tuple, _Stack] = {}
+        for param, group in bucket:
+            layout = self.codec.layout(param.shape)
+            step = self.state[param].get("step", 0)  # (the random basis is drawn per step)
+            key = (id(group), step, layout.chunk_rows, layout.chunk_cols, layout.cols)
+            if key not in stacks:
+                stacks[key] = _Stack([], [], group)
+            stacks[key].params.append(param)
+            stacks[key].layouts.append(layout)
+        return list(stacks.values())
+
+    def _encode(self, stack: _Stack) -> tuple[_Bases, list[Payload]]:
+        """Weight decay, momentum, top-k, subtraction of what is sent, for the whole stack at
+        once; return the (shared) bases and each parameter's payload."""
+        group, layout, params = stack.group, stack.layout, stack.params
         lr, alpha = group["lr"], group["momentum_subtraction"]
-        layout = self.codec.layout(param.shape)
-        state = self.state[param]
-        state["step"] = state.get("step", 0) + 1
-        momentum = self._momentum(state, layout, param).view(layout.rows, layout.cols)
-        bases = self._bases(layout, state["step"], param)
-        work, scratch, spare = self._work_buffers(param)
+        for param in params:
+            state = self.state[param]
+            state["step"] = state.get("step", 0) + 1
+        momentum = self._stacked_momentum(stack)
+        bases = self._bases(layout, self.state[params[0]]["step"], params[0])
+        work, scratch, spare = self._work_buffers(params[0], layout.numel)
 
         with record_function("DeMo.transform"):
             if group["weight_decay"]:
-                param.mul_(1 - lr * group["weight_decay"])
-            grad = param.grad.reshape(layout.rows, layout.cols)
+                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            grads = [param.grad for param in params]
             decay = group["compression_decay"]
             if self._momentum_in_coefficients:
                 # momentum <- decay * momentum + lr * P(grad), accumulated by the transform itself
-                self._transform(grad, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
+                self._transform(grads, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
+                self._momenta_ready(stack, momentum, bases)
                 coefficients = momentum
             else:
-                momentum.mul_(decay).add_(grad, alpha=lr)
+                for part, grad in zip(stack.rows(momentum), grads, strict=True):
+                    part.mul_(decay).add_(grad.reshape(part.shape), alpha=lr)
+                self._momenta_ready(stack, momentum, bases)  # before ``work`` holds the coefficients
                 coefficients = self._transform(momentum, layout, bases, out=work, scratch=scratch)
 
-        self._momentum_ready(param, momentum, layout, bases)
         with record_function("DeMo.topk"):
             index, positions, values = self.codec.select(coefficients, layout, scratch=scratch)
-            payload = self.codec.pack(index, values, layout)
+            payloads = [self.codec.pack(index[first:last], values[first:last], part)
+                        for part, (first, last) in zip(stack.layouts, stack.block_spans(), strict=True)]
             if alpha:
                 # what the receivers will decode; the values themselves where they decode signs only
-                sent = self.codec.unpack(payload)[1] if self.codec.decodes_magnitudes else values
+                sent = self.codec.received(values) if self.codec.decodes_magnitudes else values
                 if self._momentum_in_coefficients:  # a sparse update of the coefficients
                     momentum.view(-1).index_add_(0, positions.view(-1), sent.reshape(-1), alpha=-alpha)
                 else:
                     sparse = scratch.zero_().index_put_((positions.view(-1),), sent.reshape(-1))
                     own = self._transform(sparse, layout, bases, inverse=True, out=spare, scratch=work)
                     momentum.sub_(own.view(layout.rows, layout.cols), alpha=alpha)
-        return layout, bases, payload
+        return bases, payloads
+
+    def _stacked_momentum(self, stack: _Stack) -> torch.Tensor:
+        """The stack's momenta as one ``rows x cols`` buffer, each parameter's state a view of
+        its rows. Built (from the parameters' momenta: new, restored from a checkpoint or kept
+        in the other domain) when the stack is new or a state no longer points into it."""
+        key, itemsize = self._momentum_key, stack.params[0].element_size()
+        buffer = self._stacked.get(stack.key)
+        if buffer is not None:
+            start = buffer.data_ptr()
+            for param, layout in zip(stack.params, stack.layouts, strict=True):
+                kept = self.state[param].get(key)
+                if kept is None or kept.data_ptr() != start:
+                    buffer = None
+                    break
+                start += layout.numel * itemsize
+        if buffer is None:
+            first = stack.params[0]
+            buffer = torch.empty(stack.layout.numel, device=first.device, dtype=first.dtype)
+            start = 0
+            for param, layout in zip(stack.params, stack.layouts, strict=True):
+                state = self.state[param]
+                rows = buffer[start : start + layout.numel]
+                rows.copy_(self._momentum(state, layout, param).reshape(-1))
+                state[self._momentum_key] = rows.view(param.shape)
+                start += layout.numel
+            self._stacked[stack.key] = buffer
+        return buffer.view(stack.layout.rows, stack.layout.cols)
+
+    def _momenta_ready(self, stack: _Stack, momentum: torch.Tensor, bases: _Bases) -> None:
+        for param, layout, part in zip(stack.params, stack.layouts, stack.rows(momentum), strict=True):
+            self._momentum_ready(param, part, layout, bases)
 
     def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
                         bases: _Bases) -> None:
@@ -319,35 +433,83 @@ class DeMo(torch.optim.Optimizer):
         with record_function("DeMo.communicate"):
             for handle in flight.works:
                 handle.wait()
-        world = self.comm.world_size
-        views: list[dict[str, torch.Tensor]] = [{} for _ in flight.sent]
-        for buffer, segments in flight.gathered.values():
-            for entry, key, start, shape in segments:
-                views[entry][key] = buffer[:, start : start + shape.numel()].view(world, *shape)
+        runs = _runs(flight.sent)
         first = flight.sent[0].param
         sums, counts, spare = self._work_buffers(first, flight.numel)
         with record_function("DeMo.decode"):
-            coefficients = self.codec.aggregate_gathered(
-                [Payload(tensors, item.payload.meta) for tensors, item in zip(views, flight.sent, strict=True)],
-                [item.layout for item in flight.sent],
-                [item.offset for item in flight.sent],
-                out=sums,
-                counts=counts,
-            )
-        for item in flight.sent:
-            param, layout, size = item.param, item.layout, item.layout.numel
+            payloads, layouts, offsets = self._gathered_runs(flight, runs)
+            coefficients = self.codec.aggregate_gathered(payloads, layouts, offsets, out=sums, counts=counts)
+        for run in runs:
+            layout, first = stacked_layout([item.layout for item in run]), run[0].offset
             with record_function("DeMo.decode"):
                 # the counts are spent: their space is the inverse transform's scratch
                 update = self._transform(
-                    coefficients[item.offset : item.offset + size], layout, item.bases, inverse=True,
-                    out=spare[:size], scratch=counts[:size],
-                )
+                    coefficients[first : first + layout.numel], layout, run[0].bases, inverse=True,
+                    out=spare[: layout.numel], scratch=counts[: layout.numel],
+                ).view(-1)
             with record_function("DeMo.update"):
                 if self.base == "sign":
                     update = update.sign_()
-                elif self.base == "muon":
-                    update = newton_schulz(update.view(layout.rows, layout.cols))
-                param.add_(update.view(param.shape), alpha=-item.lr)
+                for item in run:
+                    part = update[item.offset - first : item.offset - first + item.layout.numel]
+                    if self.base == "muon":
+                        part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
+                    item.param.add_(part.view(item.param.shape), alpha=-item.lr)
+
+    def _gathered_runs(
+        self, flight: _InFlight, runs: list[list[_Sent]]
+    ) -> tuple[list[Payload], list[BlockLayout], list[int]]:
+        """The gathered payloads as :meth:`DCTTopK.aggregate_gathered` takes them: one per run
+        (its parameters' payloads lie side by side in the gathered buffers, so one view of each
+        covers them all, as if one stacked matrix had been sent), or one per parameter of a
+        run whose payloads cannot be read as one (bits packed across a parameter's end)."""
+        world = self.comm.world_size
+        where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]] = [{} for _ in flight.sent]
+        for buffer, segments in flight.gathered.values():
+            for entry, key, start, shape in segments:
+                where[entry][key] = (buffer, start, shape)
+        number = {id(item): entry for entry, item in enumerate(flight.sent)}
+
+        def view(buffer: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
+            return buffer[:, start : start + math.prod(shape)].view(world, *shape)
+
+        payloads, layouts, offsets = [], [], []
+        for run in runs:
+            entries = [number[id(item)] for item in run]
+            merged = self._merged(entries, where, [item.layout for item in run]) if len(run) > 1 else None
+            if merged is not None:
+                tensors = {key: view(*spec) for key, spec in merged.items()}
+                layout = stacked_layout([item.layout for item in run])
+                payloads.append(Payload(tensors, {"shape": layout.shape, "dtype": run[0].payload.meta["dtype"]}))
+                layouts.append(layout)
+                offsets.append(run[0].offset)
+                continue
+            for entry, item in zip(entries, run, strict=True):
+                tensors = {key: view(buffer, start, tuple(shape)) for key, (buffer, start, shape) in where[entry].items()}
+                payloads.append(Payload(tensors, item.payload.meta))
+                layouts.append(item.layout)
+                offsets.append(item.offset)
+        return payloads, layouts, offsets
+
+    def _merged(
+        self, entries: list[int], where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]],
+        layouts: list[BlockLayout],
+    ) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]] | None:
+        """For each payload key, the one (buffer, start, shape) that covers the entries' tensors
+        laid end to end, first dimension joined; None if some are not adjacent or the codec
+        cannot read them as one (:meth:`DCTTopK.stackable`)."""
+        if not self.codec.stackable(layouts):
+            return None
+        merged = {}
+        for key, (buffer, start, shape) in where[entries[0]].items():
+            end, rows = start + shape.numel(), shape[0]
+            for entry in entries[1:]:
+                other, at, more = where[entry][key]
+                if other is not buffer or at != end or more[1:] != shape[1:]:
+                    return None
+                end, rows = end + more.numel(), rows + more[0]
+            merged[key] = (buffer, start, (rows, *shape[1:]))
+        return merged
 
     # --------------------------------------------------------------- internals
     @property
@@ -391,7 +553,7 @@ class DeMo(torch.optim.Optimizer):
 
     @staticmethod
     def _transform(
-        matrix: torch.Tensor,
+        matrix: torch.Tensor | Sequence[torch.Tensor],
         layout: BlockLayout,
         bases: _Bases,
         *,
@@ -403,7 +565,7 @@ class DeMo(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """:func:`block_transform`; the identity without accumulation returns ``matrix`` as it
         is, saving a copy."""
-        if bases[0] is None and bases[1] is None and not beta and alpha == 1:
+        if bases[0] is None and bases[1] is None and not beta and alpha == 1 and isinstance(matrix, torch.Tensor):
             return matrix.view(layout.rows, layout.cols)
         return block_transform(
             matrix, layout, *bases, inverse=inverse, out=out, scratch=scratch, beta=beta, alpha=alpha
