@@ -168,6 +168,36 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
             "model": run.model.name, "optimizer": run.optimizer_name}
 
 
+def measure(workers: int, steps: int, repeats: int, device: str, overrides: list[str],
+            peak_flops: float | None = None) -> dict:
+    """Both loops on ``workers`` processes: the best tokens/s of each (``bare``, ``lowcomm``),
+    every window's (``all_*``), peak memory per worker (``memory_*``, MB), FLOPs per token and
+    lowcomm's MFU both ways (``mfu_6n``, ``mfu_olmo_core``; None without a peak: on CPU unless
+    ``peak_flops`` is given)."""
+    peak_flops = peak_flops or (
+        (bf16_peak_flops(torch.cuda.get_device_name(0)) or H100_BF16_PEAK_FLOPS) if device == "cuda" else None)
+
+    from lowcomm.comm.spawn import spawn_workers
+    from lowcomm.config import validate
+    from lowcomm.config.compose import compose
+    from lowcomm.data import materialize
+
+    with tempfile.TemporaryDirectory() as root:
+        run = validate(compose([f"run_root={root}", f"cluster.workers={workers}", *overrides]))
+        materialize(run.data, run.train.seq_len, root, run.model.tokenizer)
+        results = spawn_workers(_worker, workers, overrides, steps, repeats, root,
+                                device, timeout_s=3600, backend="nccl" if device == "cuda" else "gloo")
+    out = results[0]
+    flops = out["flops_per_token"]
+    best = {"bare": max(out["bare"]), "lowcomm": max(out["lowcomm"])}
+    mfu = {f"mfu_{name}": None if peak_flops is None else per_token * best["lowcomm"] / (workers * peak_flops)
+           for name, per_token in (("6n", flops.six_n), ("olmo_core", flops.olmo_core))}
+    return {**best, **mfu, "all_bare": out["bare"], "all_lowcomm": out["lowcomm"], "peak_flops": peak_flops,
+            "memory_bare": max(r["memory_bare"] for r in results),
+            "memory_lowcomm": max(r["memory_lowcomm"] for r in results),
+            **{key: out[key] for key in ("model", "optimizer", "parameters", "tokens_per_step", "flops_per_token")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
@@ -183,42 +213,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < args.workers:
         parser.error(f"--device cuda needs one GPU per worker: {args.workers} workers, "
                      f"{torch.cuda.device_count()} GPUs visible")
-    peak_flops = args.peak_flops or (
-        (bf16_peak_flops(torch.cuda.get_device_name(0)) or H100_BF16_PEAK_FLOPS) if args.device == "cuda" else None)
-
-    from lowcomm.comm.spawn import spawn_workers
-    from lowcomm.config import validate
-    from lowcomm.config.compose import compose
-    from lowcomm.data import materialize
-
-    with tempfile.TemporaryDirectory() as root:
-        run = validate(compose([f"run_root={root}", f"cluster.workers={args.workers}", *args.overrides]))
-        materialize(run.data, run.train.seq_len, root, run.model.tokenizer)
-        results = spawn_workers(_worker, args.workers, args.overrides, args.steps, args.repeats, root,
-                                args.device, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
-    out = results[0]
-    bare, ours = max(out["bare"]), max(out["lowcomm"])
+    result = measure(args.workers, args.steps, args.repeats, args.device, args.overrides, args.peak_flops)
     backend = "NCCL GPU" if args.device == "cuda" else "gloo CPU"
-    print(f"throughput, {out['model']} ({out['parameters']:,} parameters), lowcomm optimizer {out['optimizer']}, "
-          f"{args.workers} {backend} workers, {out['tokens_per_step']} tokens/step, {args.steps} timed steps, "
-          f"best of {args.repeats}:")
-
-    flops = out["flops_per_token"]
+    print(f"throughput, {result['model']} ({result['parameters']:,} parameters), lowcomm optimizer "
+          f"{result['optimizer']}, {args.workers} {backend} workers, {result['tokens_per_step']} tokens/step, "
+          f"{args.steps} timed steps, best of {args.repeats}:")
+    flops, peak_flops = result["flops_per_token"], result["peak_flops"]
 
     def mfu(tokens_per_s: float, per_token: int) -> str:
         if peak_flops is None:
             return "-"
         return f"{per_token * tokens_per_s / (args.workers * peak_flops):.1%}"
 
-    memory = max(r["memory_bare"] for r in results), max(r["memory_lowcomm"] for r in results)
     print(f"  MFU 6N: 6 x parameters = {flops.six_n:,} FLOPs/token; MFU OLMo-core: its num_flops_per_token, "
           f"attention included = {flops.olmo_core:,} FLOPs/token; peak "
           + (f"{peak_flops:.4g} FLOP/s per worker" if peak_flops else "unknown on CPU (--peak-flops)"))
     print(f"  {'loop':<22}{'tokens/s':>12}{'MFU 6N':>9}{'MFU OLMo-core':>15}{'peak MB/worker':>16}   all repeats")
-    for name, best, memory_mb, key in (("bare PyTorch DDP", bare, memory[0], "bare"),
-                                        ("lowcomm", ours, memory[1], "lowcomm")):
+    for name, key in (("bare PyTorch DDP", "bare"), ("lowcomm", "lowcomm")):
+        best = result[key]
         print(f"  {name:<22}{best:>12,.0f}{mfu(best, flops.six_n):>9}{mfu(best, flops.olmo_core):>15}"
-              f"{memory_mb:>16,.0f}   {', '.join(f'{x:,.0f}' for x in out[key])}")
+              f"{result['memory_' + key]:>16,.0f}   {', '.join(f'{x:,.0f}' for x in result['all_' + key])}")
+    bare, ours = result["bare"], result["lowcomm"]
     print(f"  ratio lowcomm / bare: {ours / bare:.3f}  (target >= 0.95 with optimizer=adamw_ddp)")
     return 0
 
