@@ -16,6 +16,7 @@ from lowcomm.config.compose import compose
 from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.optim.grouping import CombinedOptimizer, MuonArgs, muon_adamw, split_muon_adamw
+from lowcomm.optim.muon import BatchedMuon
 from lowcomm.strategies.muon_ddp import MuonDDP, MuonDDPConfig
 from lowcomm.train.metrics import read_metrics
 from lowcomm.train.schedule import apply_lr
@@ -205,3 +206,34 @@ def test_a_resumed_run_ends_bit_identical(tmp_path):
         assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"
     resumed_metrics = read_metrics(run.run_dir / "metrics.jsonl")
     assert [r["train/loss"] for r in resumed_metrics] == [r["train/loss"] for r in reference_metrics]
+
+
+@pytest.mark.parametrize(("nesterov", "adjust_lr_fn"), [(True, "match_rms_adamw"), (False, "original")])
+def test_batched_muon_steps_as_torch_muon_and_takes_its_state(nesterov, adjust_lr_fn):
+    """Three (48, 32) matrices (a tall shape: iterated transposed), two (32, 96) and one (32, 32):
+    three batches of Newton-Schulz instead of six iterations, bit for bit torch's update on the
+    CPU; a state_dict of torch's Muon continues in BatchedMuon as in torch's."""
+    shapes = [(48, 32), (32, 96), (48, 32), (32, 32), (32, 96), (48, 32)]
+    generator = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(5)]
+    hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn}
+
+    def run(optimizer_class, steps, params=None, state=None):
+        if params is None:
+            init = torch.Generator().manual_seed(1)
+            params = [torch.nn.Parameter(torch.randn(shape, generator=init)) for shape in shapes]
+        optimizer = optimizer_class(params, **hyper)
+        if state is not None:
+            optimizer.load_state_dict(state)
+        for step in steps:
+            for param, grad in zip(params, grads[step], strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+        return params, optimizer
+
+    expected, _ = run(torch.optim.Muon, range(5))
+    batched, _ = run(BatchedMuon, range(5))
+    assert all(torch.equal(a, b) for a, b in zip(batched, expected, strict=True))
+    halfway, torch_muon = run(torch.optim.Muon, range(2))
+    resumed, _ = run(BatchedMuon, range(2, 5), params=halfway, state=torch_muon.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(resumed, expected, strict=True))

@@ -10,7 +10,8 @@ name and shape:
   untied output head (``transformer.ff_out``; tied models have none), every 1-D (and any
   other non-2-D) parameter.
 
-:func:`muon_adamw` builds ``torch.optim.Muon`` and ``torch.optim.AdamW`` over the two sets and
+:func:`muon_adamw` builds :class:`~lowcomm.optim.muon.BatchedMuon` (``torch.optim.Muon``, its
+Newton-Schulz iteration batched by shape) and ``torch.optim.AdamW`` over the two sets and
 joins them in a :class:`CombinedOptimizer`, whose ``param_groups`` are the union of theirs, so
 an LR schedule that multiplies each group's ``initial_lr`` drives both learning rates.
 """
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.optim.args import Args, one_of_error
+from lowcomm.optim.muon import BatchedMuon
 
 __all__ = ["AdamArgs", "AdamWArgs", "CombinedOptimizer", "MuonArgs", "adamw", "muon_adamw", "split_muon_adamw", "weight_decay_groups"]
 
@@ -255,7 +257,7 @@ def muon_adamw(model: torch.nn.Module, args: MuonArgs, params: Iterable[torch.nn
         raise ValueError("params must be trainable parameters of model")
     parts: dict[str, torch.optim.Optimizer] = {}
     if muon_params:
-        parts["muon"] = torch.optim.Muon(
+        parts["muon"] = BatchedMuon(
             muon_params, lr=args.lr, weight_decay=args.weight_decay, momentum=args.muon_momentum,
             nesterov=args.muon_nesterov, ns_steps=args.ns_steps, adjust_lr_fn=args.adjust_lr_fn,
         )
