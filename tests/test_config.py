@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowcomm.config import ConfigError
-from lowcomm.config.naming import derive_run_name
+from lowcomm.config.naming import changed_keys, derive_run_name, what_is_trained
 from lowcomm.strategies import STRATEGIES
 from runs import tiny_run
 
@@ -113,7 +113,7 @@ def test_keys_added_to_train_keep_the_names_of_runs_started_before_them():
     before = {"model": {"name": "tiny"}, "optimizer": {"name": "demo", "lr": 1e-3}, "compression": {"name": "none"},
               "seed": 0, "train": {"max_steps": 300, "precision": "auto", "log_every": 10}}
     with_defaults = copy.deepcopy(before)
-    with_defaults["train"].update(param_dtype="fp32", compile="auto")
+    with_defaults["train"].update(param_dtype="fp32", compile=False)
     assert derive_run_name(with_defaults, 4) == derive_run_name(before, 4)
     compiled = copy.deepcopy(with_defaults)
     compiled["train"]["compile"] = True
@@ -121,6 +121,9 @@ def test_keys_added_to_train_keep_the_names_of_runs_started_before_them():
     bf16 = copy.deepcopy(with_defaults)
     bf16["train"]["param_dtype"] = "bf16"
     assert derive_run_name(bf16, 4) != derive_run_name(before, 4)
+    # a comparison of two configs (a sweep's jobs, a resume) still sees the weights' dtype
+    assert changed_keys(what_is_trained(with_defaults), what_is_trained(bf16)) == ["train.param_dtype: 'fp32' -> 'bf16'"]
+    assert changed_keys(what_is_trained(before), what_is_trained(with_defaults)) == []
 
 
 def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_path):

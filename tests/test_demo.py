@@ -365,6 +365,39 @@ def test_a_stack_keeps_its_momenta_in_one_buffer_and_a_checkpoint_per_parameter(
 
 
 @IGNORE_CHUNK_1
+@pytest.mark.parametrize("projection", ["dct", "random"])
+def test_stacks_respect_groups_and_skipped_gradients_and_leave_no_buffer_behind(projection):
+    """Two parameter groups of the same geometry (their own lr and weight decay) in one bucket,
+    and a parameter without a gradient at step 2 (under the random projection its step count,
+    and so its basis, then differs from its peers'): one bucket computes what one parameter
+    per bucket computes, bit for bit, and the optimizer keeps no momentum buffer that no
+    parameter's state points into."""
+    def run(bucket_numel):
+        params = initial_params(torch.float32)
+        groups = [{"params": params[:4]}, {"params": params[4:], "lr": 3 * LR, "weight_decay": 0.2}]
+        optimizer = DeMo(groups, DeMoArgs.defaults(lr=LR, compression_topk=TOPK, compression_chunk=CHUNK,
+                                                   projection=projection, bucket_numel=bucket_numel))
+        history = []
+        for step in range(5):
+            for index, param in enumerate(params):
+                param.grad = None if (step == 2 and index == 1) else gradient(0, step, index, torch.float32)
+            optimizer.step()
+            history.append([p.detach().clone() for p in params])
+        return history, optimizer
+
+    expected, _ = run(1)
+    got, optimizer = run(10**9)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(got, expected, strict=True)
+               for a, b in zip(step_a, step_b, strict=True))
+    live = {state[key].untyped_storage().data_ptr() for state in optimizer.state.values()
+            for key in ("momentum", "momentum_dct") if key in state}
+    assert {buffer.untyped_storage().data_ptr() for buffer in optimizer._stacked.values()} <= live
+    # (8, 12) and (4, 12) share one again once both have gradients (under the random projection
+    # their step counts differ from step 2 on: each its own); the two (24,) never (two groups)
+    assert len(optimizer._stacked) == len(SHAPES) - (1 if projection == "dct" else 0)
+
+
+@IGNORE_CHUNK_1
 def test_checkpoint_from_the_parameter_domain_resumes_in_the_coefficient_domain():
     params = initial_params()
     plain = make_demo(params, {"base": "sgd", "parameter_domain": True})
@@ -477,3 +510,24 @@ def test_the_one_bucket_exchange_is_a_config_setting():
     assert optimizer.bucket_numel == 10**10
     with pytest.raises(ConfigError, match="optimizer.bucket_numel=0"):
         strategy("optimizer.bucket_numel=0")
+
+
+@pytest.mark.parametrize("wire", ["paper", "compact", "sign", "signbit"])
+def test_a_stacks_gathered_payloads_are_aggregated_as_one(wire, monkeypatch):
+    """Two (8, 16) parameters: 8 blocks x k = 3 is 24 sign bits, whole bytes, so in every wire
+    their payloads, laid out key by key, read as one stacked payload: one aggregation entry."""
+    params = [torch.nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    optimizer = DeMo(params, DeMoArgs.defaults(lr=LR, compression_topk=TOPK, compression_chunk=CHUNK, wire=wire,
+                                                        bucket_numel=10**9))
+    entries = []
+    aggregate = optimizer.codec.aggregate_gathered
+
+    def counting(payloads, layouts, offsets, **work):
+        entries.append([layout.shape for layout in layouts])
+        return aggregate(payloads, layouts, offsets, **work)
+
+    monkeypatch.setattr(optimizer.codec, "aggregate_gathered", counting)
+    for param in params:
+        param.grad = torch.randn(8, 16)
+    optimizer.step()
+    assert entries == [[(16, 16)]]

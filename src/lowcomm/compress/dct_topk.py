@@ -320,8 +320,9 @@ class DCTTopK:
         for (index, sent), layout, offset in zip(unpacked, layouts, offsets, strict=True):
             # worker-major: each worker's positions are distinct, and the tensors' positions
             # disjoint, so a position's contributions arrive in worker order, as in
-            # aggregate()'s one index_add_ per worker. One call per tensor, not one over their
-            # concatenation: at W = 64 the copies of a concatenation cost as much as the adds.
+            # aggregate()'s one index_add_ per worker. One call per tensor on the CPU (per tensor
+            # and worker on CUDA: ordered_index_add_), not one over their concatenation: at
+            # W = 64 the copies of a concatenation cost as much as the adds.
             where = layout.global_index(index, offset).view(workers, -1)
             ordered_index_add_(sums, where, sent.reshape(workers, -1))
             if tally is not None:  # small integers: exact in any order

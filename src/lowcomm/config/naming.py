@@ -21,8 +21,7 @@ def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
     logs, evaluates and checkpoints). A resume may change the rest, never this."""
     semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
     if isinstance(raw.get("train"), dict):  # (a hand-made config a report reads may have none)
-        semantic["train"] = {k: v for k, v in raw["train"].items()
-                             if k not in _LOGISTICS and (k, v) not in _ADDED_LATER.items()}
+        semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
     return semantic
 
 
@@ -43,6 +42,8 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
     """``<model>-<optimizer>[-<compression>]-w<W>-<hash>``: deterministic, so a requeued job
     finds its own checkpoints, and a different config never shares a directory."""
     semantic = what_is_trained(raw)
+    if isinstance(semantic.get("train"), dict):  # (comparisons see these keys; only the name leaves them out)
+        semantic["train"] = {k: v for k, v in semantic["train"].items() if (k, v) not in _ADDED_LATER.items()}
     semantic["world_size"] = world_size
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]

@@ -104,7 +104,9 @@ class _Stack:
     matrix whose blocks are exactly theirs, so a transform, a top-k, a subtraction and an
     inverse transform run once for all of them, not once per parameter: in OLMo every block's
     ``att_proj``, ``attn_out`` and ``ff_proj`` (1024 wide) are one stack, its ``ff_out``
-    (4096 wide) another. Their momenta are one buffer, each parameter's state a view of it."""
+    (4096 wide) another. Their momenta are one buffer, each parameter's state a view of it.
+    (Under the random projection the stack's members also share a step count: the basis is
+    drawn per step.)"""
 
     params: list[torch.nn.Parameter]
     layouts: list[BlockLayout]
@@ -156,7 +158,8 @@ class _InFlight:
 
 def _runs(sent: list[_Sent]) -> list[list[_Sent]]:
     """Consecutive entries of a bucket that one inverse transform decodes: one block geometry
-    and width, one basis and one lr (a stack, as :meth:`DeMo._stacks` formed it)."""
+    and width, one basis and one lr. Each stack of :meth:`DeMo._stacks` is one (or part of one:
+    stacks of two parameter groups with the same lr and geometry that follow each other join)."""
     runs: list[list[_Sent]] = []
     for item in sent:
         if runs:
@@ -318,8 +321,11 @@ class DeMo(torch.optim.Optimizer):
         segments: dict[torch.dtype, list[tuple[int, str, int, torch.Size]]] = {}
         pieces: dict[torch.dtype, list[torch.Tensor]] = {}
         filled: dict[torch.dtype, int] = {}
-        for entry, item in enumerate(sent):
-            for key, tensor in item.payload.tensors.items():
+        # key by key, then entry by entry: a run's payloads of one key lie side by side (sign
+        # bits after all the indices, though both are bytes), so the run is aggregated as one
+        for key in sent[0].payload.tensors:
+            for entry, item in enumerate(sent):
+                tensor = item.payload.tensors[key]
                 start = filled.get(tensor.dtype, 0)
                 segments.setdefault(tensor.dtype, []).append((entry, key, start, tensor.shape))
                 pieces.setdefault(tensor.dtype, []).append(tensor.reshape(-1))
@@ -338,7 +344,8 @@ class DeMo(torch.optim.Optimizer):
         stacks: dict[tuple, _Stack] = {}
         for param, group in bucket:
             layout = self.codec.layout(param.shape)
-            step = self.state[param].get("step", 0)  # (the random basis is drawn per step)
+            # a random basis is drawn per step: a parameter that missed a step has another one
+            step = self.state[param].get("step", 0) if self.projection == "random" else None
             key = (id(group), step, layout.chunk_rows, layout.chunk_cols, layout.cols)
             if key not in stacks:
                 stacks[key] = _Stack([], [], group)
@@ -413,6 +420,11 @@ class DeMo(torch.optim.Optimizer):
                 rows.copy_(self._momentum(state, layout, param).reshape(-1))
                 state[self._momentum_key] = rows.view(param.shape)
                 start += layout.numel
+            # a stack whose members changed (a parameter without a gradient this step) leaves
+            # its old buffer behind: nothing points into it any more
+            members = set(stack.key)
+            for stale in [key for key in self._stacked if members.intersection(key)]:
+                del self._stacked[stale]
             self._stacked[stack.key] = buffer
         return buffer.view(stack.layout.rows, stack.layout.cols)
 
@@ -462,7 +474,8 @@ class DeMo(torch.optim.Optimizer):
         """The gathered payloads as :meth:`DCTTopK.aggregate_gathered` takes them: one per run
         (its parameters' payloads lie side by side in the gathered buffers, so one view of each
         covers them all, as if one stacked matrix had been sent), or one per parameter of a
-        run whose payloads cannot be read as one (bits packed across a parameter's end)."""
+        run whose payloads cannot be read as one (sign bits of a parameter before the last that
+        end inside a byte: :meth:`DCTTopK.stackable`)."""
         world = self.comm.world_size
         where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]] = [{} for _ in flight.sent]
         for buffer, segments in flight.gathered.values():

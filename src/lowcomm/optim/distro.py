@@ -119,8 +119,8 @@ class DisTrO(DeMo):
         direction of the lookahead (Psyche's ``delta.sign()``, taken before it subtracts)."""
         if not self.lookahead:
             return
-        # in the work space DeMo's step leaves free here (the coefficients live in ``work`` on
-        # the parameter-domain path, and top-k has not run yet): fresh parameter-sized
+        # in the work space DeMo's step leaves free here (called before the parameter-domain
+        # path puts the coefficients in ``work``, and before top-k): fresh parameter-sized
         # temporaries at every step cost a page fault per page on CPU
         work, _scratch, spare = self._work_buffers(param)
         if self._momentum_in_coefficients:  # (the identity transform hands back the momentum itself)
