@@ -48,6 +48,7 @@ from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout, block_transform, random_orthonormal_basis
 from lowcomm.compress.dct_topk import WIRES, DCTTopK
 from lowcomm.optim.args import Args, one_of_error
+from lowcomm.optim.closure import closure_loss
 
 __all__ = ["DeMo", "DeMoArgs", "demo_payload_bytes"]
 
@@ -272,10 +273,7 @@ class DeMo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._random_bases.clear()
         # One bucket in flight: its all-gather overlaps the next bucket's encoding, and at most
         # two buckets' gathered payloads are held at once.

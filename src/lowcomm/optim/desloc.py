@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.grouping import AdamArgs
 
 __all__ = ["DESLoc", "DESLocArgs"]
@@ -111,10 +112,7 @@ class DESLoc(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         step = self.steps_taken + 1
         params = self._all_params()
         if step % self.sync_u == 0:

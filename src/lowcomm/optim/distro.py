@@ -57,6 +57,7 @@ import torch
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout
+from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.demo import DeMo, DeMoArgs, _Bases, _InFlight, _Sent
 
 __all__ = ["DisTrO", "DisTrOArgs"]
@@ -88,10 +89,7 @@ class DisTrO(DeMo):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._random_bases.clear()
         self._take_back_lookahead()
         sent = [self._send_bucket(bucket) for bucket in self._buckets()]

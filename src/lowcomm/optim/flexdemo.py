@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lowcomm.comm import Communicator
+from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.demo import DeMo, DeMoArgs, demo_payload_bytes
 
 __all__ = ["FlexDeMo", "flexdemo_payload_bytes"]
@@ -136,10 +137,7 @@ class FlexDeMo(DeMo):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for param, shard in self._shards:
             # FSDP re-pads and replaces a shard's storage when the module is moved or loaded with
             # assign=True; re-pointing keeps the optimizer's tensors (its state keys) the same.

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowcomm.optim.args import Args, one_of_error
+from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.muon import BatchedMuon
 
 __all__ = ["AdamArgs", "AdamWArgs", "CombinedOptimizer", "MuonArgs", "adamw", "muon_adamw", "split_muon_adamw", "weight_decay_groups"]
@@ -124,10 +125,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for part in self.parts.values():
             part.step()
         return loss

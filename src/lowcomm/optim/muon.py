@@ -23,6 +23,8 @@ from collections import defaultdict
 import torch
 from torch.optim._muon import _adjust_lr
 
+from lowcomm.optim.closure import closure_loss
+
 __all__ = ["BatchedMuon", "batched_newton_schulz"]
 
 
@@ -50,10 +52,7 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [param for param in group["params"] if param.grad is not None]
             if not params:
