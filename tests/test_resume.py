@@ -27,7 +27,9 @@ from runs import point_id, quickstart_points, tiny_run
 POINTS = quickstart_points()
 # every point in fp32, and each strategy's first point again with bf16 weights (train.param_dtype)
 BF16_POINTS = sorted({point.split("|")[0]: point for point in sorted(POINTS, reverse=True)}.values())
-CASES = [(point, "fp32") for point in sorted(POINTS)] + [(point, "bf16") for point in BF16_POINTS]
+# ids: the point's label (as every fp32 case was named before bf16 cases existed), "-bf16" added
+CASES = [pytest.param(point, "fp32", id=point_id(point)) for point in sorted(POINTS)] + [
+    pytest.param(point, "bf16", id=f"{point_id(point)}-bf16") for point in BF16_POINTS]
 
 
 def test_the_quickstart_covers_every_registered_optimizer():
@@ -73,7 +75,7 @@ def _model_state(state: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("point", "param_dtype"), CASES, ids=lambda case: point_id(case) if "|" in case else case)
+@pytest.mark.parametrize(("point", "param_dtype"), CASES)
 def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point, param_dtype):
     overrides = POINTS[point]
     name = overrides[0].split("=", 1)[1]

@@ -47,7 +47,12 @@ def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(t
         assert unshaped["metered_tx_MB_per_step"] == shaped["metered_tx_MB_per_step"] > 0
         # the kernel carried at least what the meter counted (plus the wire's framing)
         assert shaped["kernel_MB_per_step"] >= shaped["metered_tx_MB_per_step"]
-        assert shaped["predicted_step_s"] > unshaped["measured_step_s"]
+        # the model adds the link's exposed time to the unshaped run's compute: never less than it,
+        # and more where nothing overlaps (AdamW-DDP's all-reduce; DeMo's all-gathers may hide
+        # behind its next bucket's encoding, whose measured length varies with the machine's load)
+        assert shaped["predicted_step_s"] >= unshaped["measured_step_s"]
+        if shaped["in_flight_s_per_step"] == 0:
+            assert shaped["predicted_step_s"] > unshaped["measured_step_s"]
         assert shaped["comm_s_per_step"] > 0 and shaped["framing_bytes_per_message"] > 0
     table = (tmp_path / "summary.md").read_text()
     assert "| 50Mbit | DeMo k=32 |" in table and "predicted" in table
