@@ -421,7 +421,7 @@ class DeMo(torch.optim.Optimizer):
             # a stack whose members changed (a parameter without a gradient this step) leaves
             # its old buffer behind: nothing points into it any more
             members = set(stack.key)
-            for stale in [key for key in self._stacked if members.intersection(key)]:
+            for stale in [other for other in self._stacked if members.intersection(other)]:
                 del self._stacked[stale]
             self._stacked[stack.key] = buffer
         return buffer.view(stack.layout.rows, stack.layout.cols)
