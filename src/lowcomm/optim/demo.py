@@ -157,20 +157,36 @@ class _InFlight:
 
 
 
-def _runs(sent: list[_Sent]) -> list[list[_Sent]]:
-    """Consecutive entries of a bucket that one inverse transform decodes: one block geometry
-    and width, one basis and one lr. Each stack of :meth:`DeMo._stacks` is one (or part of one:
-    stacks of two parameter groups with the same lr and geometry that follow each other join)."""
-    runs: list[list[_Sent]] = []
-    for item in sent:
+@dataclass
+class _Run:
+    """Consecutive entries of a bucket, from ``first`` on, that one inverse transform decodes:
+    one block geometry and width, one basis and one lr. Each stack of :meth:`DeMo._stacks` is
+    one (stacks of two parameter groups with the same lr and geometry that follow each other
+    join), so a checkpoint's in-flight bucket (DisTrO) needs no record of its stacks."""
+
+    first: int
+    items: list[_Sent]
+
+    @functools.cached_property
+    def layout(self) -> BlockLayout:
+        return stacked_layout([item.layout for item in self.items])
+
+    @property
+    def entries(self) -> range:
+        return range(self.first, self.first + len(self.items))
+
+
+def _runs(sent: list[_Sent]) -> list[_Run]:
+    runs: list[_Run] = []
+    for entry, item in enumerate(sent):
         if runs:
-            last = runs[-1][-1]
+            last = runs[-1].items[-1]
             if ((item.layout.chunk_rows, item.layout.chunk_cols, item.layout.cols, item.lr)
                     == (last.layout.chunk_rows, last.layout.chunk_cols, last.layout.cols, last.lr)
                     and all(a is b for a, b in zip(item.bases, last.bases, strict=True))):
-                runs[-1].append(item)
+                runs[-1].items.append(item)
                 continue
-        runs.append([item])
+        runs.append(_Run(entry, [item]))
     return runs
 
 
@@ -427,15 +443,10 @@ class DeMo(torch.optim.Optimizer):
         return buffer.view(stack.layout.rows, stack.layout.cols)
 
     def _momenta_ready(self, stack: _Stack, momentum: torch.Tensor, bases: _Bases) -> None:
-        for param, layout, part in zip(stack.params, stack.layouts, stack.rows(momentum), strict=True):
-            self._momentum_ready(param, part, layout, bases)
-
-    def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
-                        bases: _Bases) -> None:
-        """Called with the parameter's new momentum (``rows x cols``, in the coefficient domain
-        when ``_momentum_in_coefficients``, else the parameter's), before the sent components
-        are removed from it. DeMo needs nothing of it; DisTrO keeps its sign for the lookahead
-        (:mod:`lowcomm.optim.distro`)."""
+        """Called with the stack's new momentum (its ``rows x cols``, in the coefficient domain
+        when ``_momentum_in_coefficients``, else the parameters'), before the sent components
+        are removed from it, while the work space is free. DeMo needs nothing of it; DisTrO
+        keeps its sign for the lookahead (:mod:`lowcomm.optim.distro`)."""
 
     def _apply_bucket(self, flight: _InFlight) -> None:
         """Wait for the bucket's payloads, aggregate them all in one pass, then inverse-transform
@@ -450,24 +461,24 @@ class DeMo(torch.optim.Optimizer):
             payloads, layouts, offsets = self._gathered_runs(flight, runs)
             coefficients = self.codec.aggregate_gathered(payloads, layouts, offsets, out=sums, counts=counts)
         for run in runs:
-            layout, first = stacked_layout([item.layout for item in run]), run[0].offset
+            layout, first = run.layout, run.items[0].offset
             with record_function("DeMo.decode"):
                 # the counts are spent: their space is the inverse transform's scratch
                 update = self._transform(
-                    coefficients[first : first + layout.numel], layout, run[0].bases, inverse=True,
+                    coefficients[first : first + layout.numel], layout, run.items[0].bases, inverse=True,
                     out=spare[: layout.numel], scratch=counts[: layout.numel],
                 ).view(-1)
             with record_function("DeMo.update"):
                 if self.base == "sign":
                     update = update.sign_()
-                for item in run:
+                for item in run.items:
                     part = update[item.offset - first : item.offset - first + item.layout.numel]
                     if self.base == "muon":
                         part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
                     item.param.add_(part.view(item.param.shape), alpha=-item.lr)
 
     def _gathered_runs(
-        self, flight: _InFlight, runs: list[list[_Sent]]
+        self, flight: _InFlight, runs: list[_Run]
     ) -> tuple[list[Payload], list[BlockLayout], list[int]]:
         """The gathered payloads as :meth:`DCTTopK.aggregate_gathered` takes them: one per run
         (its parameters' payloads lie side by side in the gathered buffers, so one view of each
@@ -479,23 +490,21 @@ class DeMo(torch.optim.Optimizer):
         for buffer, segments in flight.gathered.values():
             for entry, key, start, shape in segments:
                 where[entry][key] = (buffer, start, shape)
-        number = {id(item): entry for entry, item in enumerate(flight.sent)}
 
         def view(buffer: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
             return buffer[:, start : start + math.prod(shape)].view(world, *shape)
 
         payloads, layouts, offsets = [], [], []
         for run in runs:
-            entries = [number[id(item)] for item in run]
-            merged = self._merged(entries, where, [item.layout for item in run]) if len(run) > 1 else None
+            merged = self._merged(run, where) if len(run.items) > 1 else None
             if merged is not None:
                 tensors = {key: view(*spec) for key, spec in merged.items()}
-                layout = stacked_layout([item.layout for item in run])
-                payloads.append(Payload(tensors, {"shape": layout.shape, "dtype": run[0].payload.meta["dtype"]}))
-                layouts.append(layout)
-                offsets.append(run[0].offset)
+                meta = {"shape": run.layout.shape, "dtype": run.items[0].payload.meta["dtype"]}
+                payloads.append(Payload(tensors, meta))
+                layouts.append(run.layout)
+                offsets.append(run.items[0].offset)
                 continue
-            for entry, item in zip(entries, run, strict=True):
+            for entry, item in zip(run.entries, run.items, strict=True):
                 tensors = {key: view(buffer, start, tuple(shape)) for key, (buffer, start, shape) in where[entry].items()}
                 payloads.append(Payload(tensors, item.payload.meta))
                 layouts.append(item.layout)
@@ -503,18 +512,17 @@ class DeMo(torch.optim.Optimizer):
         return payloads, layouts, offsets
 
     def _merged(
-        self, entries: list[int], where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]],
-        layouts: list[BlockLayout],
+        self, run: _Run, where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]]
     ) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]] | None:
-        """For each payload key, the one (buffer, start, shape) that covers the entries' tensors
+        """For each payload key, the one (buffer, start, shape) that covers the run's tensors
         laid end to end, first dimension joined; None if some are not adjacent or the codec
         cannot read them as one (:meth:`DCTTopK.stackable`)."""
-        if not self.codec.stackable(layouts):
+        if not self.codec.stackable([item.layout for item in run.items]):
             return None
         merged = {}
-        for key, (buffer, start, shape) in where[entries[0]].items():
+        for key, (buffer, start, shape) in where[run.first].items():
             end, rows = start + shape.numel(), shape[0]
-            for entry in entries[1:]:
+            for entry in run.entries[1:]:
                 other, at, more = where[entry][key]
                 if other is not buffer or at != end or more[1:] != shape[1:]:
                     return None

@@ -56,9 +56,8 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Payload
-from lowcomm.compress.dct import BlockLayout
 from lowcomm.optim.closure import closure_loss
-from lowcomm.optim.demo import DeMo, DeMoArgs, _Bases, _InFlight, _Sent
+from lowcomm.optim.demo import DeMo, DeMoArgs, _Bases, _InFlight, _Sent, _Stack
 
 __all__ = ["DisTrO", "DisTrOArgs"]
 
@@ -111,24 +110,23 @@ class DisTrO(DeMo):
         param.copy_(self._base[param]).sub_(state["lookahead"], alpha=lr)  # int8 signs, promoted in place
         state["lookahead_lr"] = lr
 
-    def _momentum_ready(self, param: torch.nn.Parameter, momentum: torch.Tensor, layout: BlockLayout,
-                        bases: _Bases) -> None:
-        """Keep sign(momentum) in the parameter's domain, before the sent part leaves it: the
-        direction of the lookahead (Psyche's ``delta.sign()``, taken before it subtracts)."""
+    def _momenta_ready(self, stack: _Stack, momentum: torch.Tensor, bases: _Bases) -> None:
+        """Keep sign(momentum) in the parameters' domain, before the sent part leaves it: the
+        direction of the lookahead (Psyche's ``delta.sign()``, taken before it subtracts). One
+        inverse transform for the whole stack, in the work space DeMo's step leaves free here
+        (fresh parameter-sized temporaries at every step cost a page fault per page on CPU)."""
         if not self.lookahead:
             return
-        # in the work space DeMo's step leaves free here (called before the parameter-domain
-        # path puts the coefficients in ``work``, and before top-k): fresh parameter-sized
-        # temporaries at every step cost a page fault per page on CPU
-        work, _scratch, spare = self._work_buffers(param)
+        work, _scratch, spare = self._work_buffers(stack.params[0], stack.layout.numel)
         if self._momentum_in_coefficients:  # (the identity transform hands back the momentum itself)
-            momentum = self._transform(momentum, layout, bases, inverse=True, out=work, scratch=spare)
+            momentum = self._transform(momentum, stack.layout, bases, inverse=True, out=work, scratch=spare)
         signs = torch.sign(momentum.reshape(-1), out=spare)
-        state = self.state[param]
-        kept = state.get("lookahead")  # (torch's load_state_dict casts it to the parameter's dtype)
-        if kept is None or kept.shape != param.shape or kept.dtype != torch.int8:
-            state["lookahead"] = torch.empty(param.shape, dtype=torch.int8, device=param.device)
-        state["lookahead"].view(-1).copy_(signs.reshape(-1))
+        for param, part in zip(stack.params, stack.rows(signs), strict=True):
+            state = self.state[param]
+            kept = state.get("lookahead")  # (torch's load_state_dict casts it to the parameter's dtype)
+            if kept is None or kept.shape != param.shape or kept.dtype != torch.int8:
+                state["lookahead"] = torch.empty(param.shape, dtype=torch.int8, device=param.device)
+            state["lookahead"].view(-1).copy_(part.reshape(-1))
 
     def _take_back_lookahead(self) -> None:
         for group in self.param_groups:
