@@ -200,11 +200,13 @@ def operator_calls(profile) -> dict[str, int]:
     return {"all": len(top), "kernels": sum(name not in metadata for name in top)}
 
 
-def _ratio(times: dict[str, list[float]], name: str, reference: str) -> str:
+def median_ratio(times: dict[str, list[float]], name: str, reference: str) -> float:
     """The median over rounds of the per-round ratio of ``name``'s step to ``reference``'s."""
-    if reference not in times:
-        return "-"
-    return f"{statistics.median(t / r for t, r in zip(times[name], times[reference], strict=True)):.2f}"
+    return statistics.median(t / r for t, r in zip(times[name], times[reference], strict=True))
+
+
+def _ratio(times: dict[str, list[float]], name: str, reference: str) -> str:
+    return f"{median_ratio(times, name, reference):.2f}" if reference in times else "-"
 
 
 def decode_times(workers: list[int], layers: int, embedding: bool, steps: int, threads: int, device: str) -> dict:

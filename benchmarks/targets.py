@@ -45,11 +45,8 @@ def optimizer_ratios(device: str, steps: int, threads: int, bucket_numel: int | 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         timing = pool.apply(demo_step.step_times, (names, 7, False, steps, threads, device, bucket_numel))
     times = timing["times"]
-
-    def ratio(reference: str) -> float:
-        return statistics.median(t / r for t, r in zip(times["demo"], times[reference], strict=True))
-
-    return {"vs_adamw": ratio("adamw"), "vs_fused": ratio("adamw_fused"),
+    return {"vs_adamw": demo_step.median_ratio(times, "demo", "adamw"),
+            "vs_fused": demo_step.median_ratio(times, "demo", "adamw_fused"),
             "demo_ms": statistics.median(times["demo"]) * 1e3,
             "adamw_ms": statistics.median(times["adamw"]) * 1e3,
             "fused_ms": statistics.median(times["adamw_fused"]) * 1e3}

@@ -190,9 +190,11 @@ def measure(workers: int, steps: int, repeats: int, device: str, overrides: list
     out = results[0]
     flops = out["flops_per_token"]
     best = {"bare": max(out["bare"]), "lowcomm": max(out["lowcomm"])}
-    mfu = {f"mfu_{name}": None if peak_flops is None else per_token * best["lowcomm"] / (workers * peak_flops)
-           for name, per_token in (("6n", flops.six_n), ("olmo_core", flops.olmo_core))}
-    return {**best, **mfu, "all_bare": out["bare"], "all_lowcomm": out["lowcomm"], "peak_flops": peak_flops,
+    # per loop and FLOP count: {"bare_6n": ..., "lowcomm_olmo_core": ...}; lowcomm's also as mfu_*
+    mfu = {f"{loop}_{name}": None if peak_flops is None else per_token * best[loop] / (workers * peak_flops)
+           for loop in best for name, per_token in (("6n", flops.six_n), ("olmo_core", flops.olmo_core))}
+    return {**best, "mfu": mfu, "mfu_6n": mfu["lowcomm_6n"], "mfu_olmo_core": mfu["lowcomm_olmo_core"],
+            "all_bare": out["bare"], "all_lowcomm": out["lowcomm"], "peak_flops": peak_flops,
             "memory_bare": max(r["memory_bare"] for r in results),
             "memory_lowcomm": max(r["memory_lowcomm"] for r in results),
             **{key: out[key] for key in ("model", "optimizer", "parameters", "tokens_per_step", "flops_per_token")}}
@@ -220,10 +222,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} timed steps, best of {args.repeats}:")
     flops, peak_flops = result["flops_per_token"], result["peak_flops"]
 
-    def mfu(tokens_per_s: float, per_token: int) -> str:
-        if peak_flops is None:
-            return "-"
-        return f"{per_token * tokens_per_s / (args.workers * peak_flops):.1%}"
+    def mfu(key: str) -> str:
+        return "-" if result["mfu"][key] is None else f"{result['mfu'][key]:.1%}"
 
     print(f"  MFU 6N: 6 x parameters = {flops.six_n:,} FLOPs/token; MFU OLMo-core: its num_flops_per_token, "
           f"attention included = {flops.olmo_core:,} FLOPs/token; peak "
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'loop':<22}{'tokens/s':>12}{'MFU 6N':>9}{'MFU OLMo-core':>15}{'peak MB/worker':>16}   all repeats")
     for name, key in (("bare PyTorch DDP", "bare"), ("lowcomm", "lowcomm")):
         best = result[key]
-        print(f"  {name:<22}{best:>12,.0f}{mfu(best, flops.six_n):>9}{mfu(best, flops.olmo_core):>15}"
+        print(f"  {name:<22}{best:>12,.0f}{mfu(key + '_6n'):>9}{mfu(key + '_olmo_core'):>15}"
               f"{result['memory_' + key]:>16,.0f}   {', '.join(f'{x:,.0f}' for x in result['all_' + key])}")
     bare, ours = result["bare"], result["lowcomm"]
     print(f"  ratio lowcomm / bare: {ours / bare:.3f}  (target >= 0.95 with optimizer=adamw_ddp)")
