@@ -3,7 +3,7 @@ where the time goes.
 
 One worker (W=1: a real process group of one, so every collective is a local copy and what is
 timed is the optimizer's own compute), OLMo-300M's parameters (d_model 1024, its embedding
-50304 x 1024 and ``--blocks`` of its 8 transformer blocks: the shapes the paper's runs step,
+50304 x 1024 and ``--blocks`` of its 16 transformer blocks: the shapes the paper's runs step,
 fewer of them so that a CPU finishes), gradients random and fixed. Each method runs its
 registry's ``cycle`` (the overrides and steps that cover its whole synchronisation cycle, as the
 byte contract tests it: DiLoCo H=2, Streaming DiLoCo's fragments, PowerSGD past its warm-up ...)
@@ -16,7 +16,7 @@ one extra cycle under torch.profiler, each aten operator's own time (``self`` ti
 counted twice) summed by kind: matmul, top-k/sort, scatter/gather, communication, copy/cast,
 elementwise (the rest).
 
-    python benchmarks/step_cost.py                        # CPU, 1 of 300M's 8 blocks, every method
+    python benchmarks/step_cost.py                        # CPU, 1 of 300M's 16 blocks, every method
     python benchmarks/step_cost.py --blocks 8 --methods adamw_ddp demo muon_ddp
     python benchmarks/step_cost.py --device cuda --blocks 8
 
@@ -81,9 +81,53 @@ def _setup(name: str, blocks: int, device: torch.device):
     return wrapped, optimizer, grads, cycle.steps
 
 
+class _WholeBucket:
+    """Every gradient of a DDP model as one bucket, in the shape DDP hands its comm hook
+    (``torch.distributed.GradBucket``'s methods that lowcomm's hooks call)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self._params = params
+        self._buffer = torch.cat([param.grad.reshape(-1) for param in params])
+        self._gradients = [piece.view_as(param) for piece, param in
+                           zip(self._buffer.split([param.numel() for param in params]), params, strict=True)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _exchange(model) -> None:
+    """What DDP does to the gradients inside the backward pass, which is not run here: its
+    registered comm hook (the metered all-reduce, PowerSGD's low-rank average ...) over all of
+    them as one bucket, the result copied back as DDP does. Other strategies exchange in
+    ``optimizer.step()``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    params = [param for param in model.parameters() if param.grad is not None]
+    bucket = _WholeBucket(params)
+    for hook, state in model._comm_hooks:  # noqa: SLF001 - DDP keeps (hook, state) only here
+        averaged = hook(state, bucket).wait()
+        for param, piece in zip(params, averaged.split([param.numel() for param in params]), strict=True):
+            param.grad.copy_(piece.view_as(param))
+
+
 def _step(model, optimizer, grads) -> None:
     for param, grad in zip(model.parameters(), grads, strict=True):
         param.grad = grad.clone()
+    _exchange(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -128,18 +172,21 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lowcomm.config.compose import compose
     from lowcomm.strategies import STRATEGIES
 
+    total_blocks = int(compose(["model=olmo_300m"])["model"]["n_layers"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", choices=sorted(STRATEGIES), default=sorted(STRATEGIES),
                         help="registered optimizers to time (default: every one)")
-    parser.add_argument("--blocks", type=int, default=1, help="of OLMo-300M's 8 transformer blocks (default 1)")
+    parser.add_argument("--blocks", type=int, default=1,
+                        help=f"of OLMo-300M's {total_blocks} transformer blocks (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="timed cycles per method after one warm-up (default 3)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: every core)")
     args = parser.parse_args(argv)
-    if not 1 <= args.blocks <= 8:
-        parser.error(f"--blocks is 1 to 8 (OLMo-300M has 8 blocks), got {args.blocks}")
+    if not 1 <= args.blocks <= total_blocks:
+        parser.error(f"--blocks is 1 to {total_blocks} (OLMo-300M has {total_blocks} blocks), got {args.blocks}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible")
     names = ["adamw_ddp", *(name for name in args.methods if name != "adamw_ddp")]
@@ -156,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     baseline = results["adamw_ddp"]["mean_s"]
     parameters = next(r["parameters"] for r in results.values() if "parameters" in r)
-    print(f"optimizer step cost, OLMo-300M shapes with {args.blocks} of 8 blocks ({parameters:,} parameters), W=1, "
+    print(f"optimizer step cost, OLMo-300M shapes with {args.blocks} of {total_blocks} blocks ({parameters:,} parameters), W=1, "
           f"{device}; mean over {args.rounds} cycles after a warm-up; phases: aten self time of one cycle "
           f"(torch.profiler), {time.perf_counter() - started:.0f} s in all\n")
     print("| method | cycle (steps) | mean s/step | slowest step s | x AdamW-DDP | "

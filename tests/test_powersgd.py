@@ -20,7 +20,7 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model
-from lowcomm.optim.powersgd import PowerSGDArgs, PowerSGDReducer
+from lowcomm.optim.powersgd import PowerSGDArgs, PowerSGDReducer, batched_mm, orthogonalize_
 from lowcomm.strategies.powersgd import PowerSGD, PowerSGDConfig
 from lowcomm.train.loop import next_token_loss
 from lowcomm.train.metrics import read_metrics
@@ -29,14 +29,40 @@ from runs import tiny_run
 F64 = torch.float64
 WORLD = 2
 STEPS = 3
-# (n, m) as PowerSGD views them: 12 x 10, a vector (6 x 1), a 3-D tensor (8 x 6), 10 x 12.
-SHAPES = {"a": (12, 10), "b": (6,), "c": (8, 3, 2), "d": (10, 12)}
+# (n, m) as PowerSGD views them: 12 x 10, a vector (6 x 1), a 3-D tensor (8 x 6), 10 x 12, and
+# another 12 x 10 (compressed in one batch with a).
+SHAPES = {"a": (12, 10), "b": (6,), "c": (8, 3, 2), "d": (10, 12), "e": (12, 10)}
 LOW_RANK = dict(matrix_approximation_rank=2, min_compression_rate=2.0)
-# At rank 2 and rate 2: a, d compress ((12 + 10) * 2 * 2 = 88 < 120); b (7 * 1 * 2 >= 6) and
+# At rank 2 and rate 2: a, d, e compress ((12 + 10) * 2 * 2 = 88 < 120); b (7 * 1 * 2 >= 6) and
 # c ((8 + 6) * 2 * 2 = 56 >= 48) are sent whole.
-LOW_RANK_COMPRESSED = {"a": 2, "d": 2}
+LOW_RANK_COMPRESSED = {"a": 2, "d": 2, "e": 2}
 # Rank >= min(n, m) for every tensor and a low rate, so that every one of them is compressed.
 FULL_RANK = dict(matrix_approximation_rank=100, min_compression_rate=0.1)
+
+
+@pytest.mark.parametrize("rank", [2, 5], ids=["gram-schmidt", "qr"])
+def test_a_batch_is_orthonormalised_matrix_by_matrix(rank):
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randn(3, 9, rank, generator=generator)
+    batch[1, :, 0] = 0  # an all-zero column: epsilon keeps Gram-Schmidt finite
+    alone = torch.stack([orthogonalize_(matrix.clone(), 1e-8) for matrix in batch])
+    together = orthogonalize_(batch.clone(), 1e-8)
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-7)
+    for matrix in together[[0, 2]]:  # orthonormal columns
+        torch.testing.assert_close(matrix.T @ matrix, torch.eye(rank), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_matrix", [True, False], ids=["mm-each", "bmm"])
+def test_batched_mm_is_each_product_into_its_destination(per_matrix):
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 7, 4, generator=generator), torch.randn(3, 5, 4, generator=generator)
+    expected = [a[i] @ b[i].T for i in range(3)]
+    stacked = batched_mm(a, b.mT, per_matrix=per_matrix)
+    destinations = [torch.full((7, 5), float("nan")) for _ in range(3)]
+    assert batched_mm(a, b.mT, out=destinations, per_matrix=per_matrix) is None
+    for i in range(3):
+        torch.testing.assert_close(stacked[i], expected[i], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(destinations[i], expected[i], rtol=1e-6, atol=1e-6)
 
 
 def _gradient(name: str, rank: int, step: int) -> torch.Tensor:
@@ -52,11 +78,16 @@ def _reducer(comm: Communicator, params, **kwargs) -> PowerSGDReducer:
     return PowerSGDReducer(comm, params.items(), PowerSGDArgs.defaults(start_powerSGD_iter=0, **kwargs))
 
 
-def _steps(reducer: PowerSGDReducer, comm: Communicator, rank: int, steps) -> tuple[list[dict], list[int]]:
+def _steps(
+    reducer: PowerSGDReducer, comm: Communicator, rank: int, steps, *, one_by_one: bool = False
+) -> tuple[list[dict], list[int]]:
+    """Each step's averaged gradients and payload bytes; ``one_by_one``: one ``average_`` call
+    per gradient (as DDP buckets of one tensor would), so nothing is batched."""
     outputs, payload_bytes = [], []
     for step in steps:
         gradients = {name: _gradient(name, rank, step) for name in SHAPES}
-        reducer.average_(list(gradients.items()))
+        for call in ([[item] for item in gradients.items()] if one_by_one else [list(gradients.items())]):
+            reducer.average_(call)
         reducer.iteration += 1
         outputs.append(gradients)
         payload_bytes.append(int(comm.meter.end_step()["comm/payload_bytes"]))
@@ -75,6 +106,9 @@ def _reducer_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spaw
         name: low.initial_q(name, SHAPES[name][1], rank_, F64) for name, rank_ in LOW_RANK_COMPRESSED.items()
     }
     results["low_rank"], results["payload_bytes"] = _steps(low, comm, rank, range(STEPS))
+    results["batched"] = sorted(low._inputs)  # the groups of equal-shape matrices it stacked
+    single = _reducer(comm, params, **LOW_RANK)
+    results["one_by_one"], _ = _steps(single, comm, rank, range(STEPS), one_by_one=True)
 
     # Resume after step 1 into a fresh reducer from serialised state; steps 2.. must match.
     first = _reducer(comm, params, **LOW_RANK)
@@ -148,9 +182,18 @@ def test_low_rank_error_feedback_and_warm_start_match_the_dense_re_derivation(re
 
 
 @pytest.mark.slow
+def test_equal_shapes_are_batched_and_give_the_one_by_one_result_bit_for_bit(reducer_results):
+    for result in reducer_results:
+        assert result["batched"] == [("a", "e"), ("d",)]
+        for batched, alone in zip(result["low_rank"], result["one_by_one"], strict=True):
+            for name in SHAPES:
+                assert torch.equal(batched[name], alone[name]), name
+
+
+@pytest.mark.slow
 def test_metered_bytes_are_p_and_q_for_compressed_matrices_and_whole_tensors_otherwise(reducer_results):
-    # a, d: (n + m) * r = (12 + 10) * 2 each; b: 6; c: 8 * 3 * 2 = 48; float64.
-    expected = ((12 + 10) * 2 + (10 + 12) * 2 + 6 + 48) * 8
+    # a, d, e: (n + m) * r = (12 + 10) * 2 each; b: 6; c: 8 * 3 * 2 = 48; float64.
+    expected = (3 * (12 + 10) * 2 + 6 + 48) * 8
     for result in reducer_results:
         assert result["payload_bytes"] == [expected] * STEPS
 
