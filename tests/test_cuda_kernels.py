@@ -1,0 +1,121 @@
+"""The GPU-only code paths of the per-method speed work, run on a GPU against the CPU's result.
+
+Skipped without a GPU (CI has none). Each path is also exercised on the CPU elsewhere (the same
+code with its device switch forced, or the CPU branch beside it); what only a GPU shows is that
+the CUDA kernels give the CPU's numbers: DeMo's transforms, two-round top-k and per-worker
+``index_add_`` on CUDA, PowerSGD's bmm products, the batched Newton-Schulz of Muon. A session
+with a GPU runs this file first: ``python -m pytest tests/test_cuda_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowcomm.comm import Communicator
+from lowcomm.comm.spawn import spawn_workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+# (rows, cols): stack into one DeMo stack (att_proj / attn_out / ff_proj of OLMo at d_model 128),
+# another geometry (ff_out), and a vector
+SHAPES = [(384, 128), (128, 128), (1024, 128), (128, 512), (128,)]
+
+
+def _params(device: str) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=torch.float64).float().to(device))
+            for shape in SHAPES]
+
+
+def _gradients(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(shape, generator=generator) * 1e-2 for shape in SHAPES]
+
+
+def _demo_worker(rank: int, world: int, device: str) -> list[torch.Tensor]:  # noqa: ARG001
+    from lowcomm.optim import DeMo, DeMoArgs
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the CPU's float32 products
+    params = _params(device)
+    optimizer = DeMo(params, DeMoArgs.defaults(), Communicator())
+    for step in range(3):
+        for param, grad in zip(params, _gradients(step), strict=True):
+            param.grad = grad.to(device)
+        optimizer.step()
+    return [param.detach().cpu() for param in params]
+
+
+def test_demo_steps_on_cuda_as_on_the_cpu():
+    """Sign updates: an entry whose decoded aggregate is within rounding of zero may take the
+    other sign on the other device (and the top-k may break an exact tie otherwise); every
+    other entry moves identically."""
+    from lowcomm.optim import DeMoArgs
+
+    on_cpu = spawn_workers(_demo_worker, 1, "cpu")[0]
+    on_cuda = spawn_workers(_demo_worker, 1, "cuda", backend="nccl")[0]
+    lr = DeMoArgs.defaults().lr
+    for cpu, cuda in zip(on_cpu, on_cuda, strict=True):
+        differ = (cpu - cuda).abs() > 1e-6
+        assert differ.float().mean() < 1e-3, f"{differ.sum()} of {differ.numel()} entries differ"
+        assert (cpu - cuda).abs().max() <= 3 * 2 * lr + 1e-6  # at most one flipped sign per step
+
+
+def test_ordered_index_add_on_cuda_is_the_cpus_sum_bit_for_bit():
+    from lowcomm.compress.dct_topk import ordered_index_add_
+
+    generator = torch.Generator().manual_seed(1)
+    workers, size, per_worker = 8, 4096, 512
+    positions = torch.stack([torch.randperm(size, generator=generator)[:per_worker] for _ in range(workers)])
+    values = torch.randn(workers, per_worker, generator=generator)
+    on_cpu = ordered_index_add_(torch.zeros(size), positions, values)
+    on_cuda = ordered_index_add_(torch.zeros(size, device="cuda"), positions.cuda(), values.cuda())
+    assert torch.equal(on_cuda.cpu(), on_cpu)
+
+
+def test_block_topk_on_cuda_selects_the_cpus_entries():
+    from lowcomm.compress.block_topk import block_topk
+    from lowcomm.compress.dct import BlockLayout
+
+    generator = torch.Generator().manual_seed(2)
+    matrix = torch.randn(1024, 512, generator=generator)  # distinct magnitudes: no ties
+    layout = BlockLayout.for_shape(matrix.shape, 64)
+    _, on_cpu = block_topk(matrix, layout, 32)
+    _, on_cuda = block_topk(matrix.cuda(), layout, 32)
+    assert torch.equal(on_cuda.cpu().sort(dim=1).values, on_cpu.sort(dim=1).values)
+
+
+def test_powersgd_batched_products_on_cuda_match_the_cpu():
+    from lowcomm.optim.powersgd import batched_mm, orthogonalize_
+
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 300, 64, generator=generator, dtype=torch.float64)
+    b = torch.randn(4, 64, 8, generator=generator, dtype=torch.float64)
+    on_cpu = orthogonalize_(batched_mm(a, b), 1e-8)
+    on_cuda = orthogonalize_(batched_mm(a.cuda(), b.cuda()), 1e-8).cpu()
+    # QR's column signs may differ between solvers; P P^T does not
+    torch.testing.assert_close(on_cuda @ on_cuda.mT, on_cpu @ on_cpu.mT, rtol=1e-9, atol=1e-10)
+    destinations = [torch.empty(300, 8, dtype=torch.float64, device="cuda") for _ in range(4)]
+    batched_mm(a.cuda(), b.cuda(), out=destinations)
+    torch.testing.assert_close(torch.stack(destinations).cpu(), a @ b, rtol=1e-9, atol=1e-10)
+
+
+def test_batched_muon_on_cuda_is_torchs_muon():
+    from lowcomm.optim.muon import BatchedMuon
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = [(256, 128), (256, 128), (128, 512)]
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [torch.randn(shape, generator=generator) for shape in shapes]
+    results = []
+    for optimizer_class in (torch.optim.Muon, BatchedMuon):
+        params = [torch.nn.Parameter(weight.cuda()) for weight in weights]
+        optimizer = optimizer_class(params, lr=0.02, weight_decay=0.1)
+        for _ in range(2):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.cuda()
+            optimizer.step()
+        results.append([param.detach().cpu() for param in params])
+    for reference, batched in zip(*results, strict=True):
+        torch.testing.assert_close(batched, reference, rtol=1e-4, atol=1e-5)
