@@ -83,13 +83,12 @@ def _setup(name: str, blocks: int, device: torch.device):
 
 class _WholeBucket:
     """Every gradient of a DDP model as one bucket, in the shape DDP hands its comm hook
-    (``torch.distributed.GradBucket``'s methods that lowcomm's hooks call)."""
+    (the methods of ``torch.distributed.GradBucket`` that lowcomm's hooks call): one flat buffer
+    whose views are the gradients, as DDP's ``gradient_as_bucket_view``."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self._params = params
-        self._buffer = torch.cat([param.grad.reshape(-1) for param in params])
-        self._gradients = [piece.view_as(param) for piece, param in
-                           zip(self._buffer.split([param.numel() for param in params]), params, strict=True)]
+    def __init__(self, params: list[torch.nn.Parameter], buffer: torch.Tensor):
+        self._params, self._buffer = params, buffer
+        self._gradients = [param.grad for param in params]
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -107,27 +106,25 @@ class _WholeBucket:
         return True
 
 
-def _exchange(model) -> None:
-    """What DDP does to the gradients inside the backward pass, which is not run here: its
-    registered comm hook (the metered all-reduce, PowerSGD's low-rank average ...) over all of
-    them as one bucket, the result copied back as DDP does. Other strategies exchange in
-    ``optimizer.step()``."""
+def _step(model, optimizer, grads) -> None:
+    """One step from the fixed gradients. A DDP model's backward would also have run its comm
+    hook (the metered all-reduce, PowerSGD's low-rank average ...): here it runs over all the
+    gradients as one bucket, whose views they are, and its result lands in the bucket as DDP
+    puts it there. Other strategies exchange inside ``optimizer.step()``."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if not isinstance(model, DistributedDataParallel):
-        return
-    params = [param for param in model.parameters() if param.grad is not None]
-    bucket = _WholeBucket(params)
-    for hook, state in model._comm_hooks:  # noqa: SLF001 - DDP keeps (hook, state) only here
-        averaged = hook(state, bucket).wait()
-        for param, piece in zip(params, averaged.split([param.numel() for param in params]), strict=True):
-            param.grad.copy_(piece.view_as(param))
-
-
-def _step(model, optimizer, grads) -> None:
-    for param, grad in zip(model.parameters(), grads, strict=True):
-        param.grad = grad.clone()
-    _exchange(model)
+    params = list(model.parameters())
+    if isinstance(model, DistributedDataParallel):
+        buffer = torch.cat([grad.reshape(-1) for grad in grads])
+        for param, piece in zip(params, buffer.split([param.numel() for param in params]), strict=True):
+            param.grad = piece.view_as(param)
+        for hook, state in model._comm_hooks:  # noqa: SLF001 - DDP keeps (hook, state) only here
+            averaged = hook(state, _WholeBucket(params, buffer)).wait()
+            if averaged.data_ptr() != buffer.data_ptr():
+                buffer.copy_(averaged)
+    else:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
