@@ -106,22 +106,32 @@ class _WholeBucket:
         return True
 
 
-def _step(model, optimizer, grads) -> None:
-    """One step from the fixed gradients. A DDP model's backward would also have run its comm
-    hook (the metered all-reduce, PowerSGD's low-rank average ...): here it runs over all the
-    gradients as one bucket, whose views they are, and its result lands in the bucket as DDP
-    puts it there. Other strategies exchange inside ``optimizer.step()``."""
+def _bucket(model, grads) -> torch.Tensor | None:
+    """For a DDP model, the one bucket buffer its gradients will be views of (allocated once,
+    as DDP's are); None for the other strategies."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    return torch.empty(sum(grad.numel() for grad in grads), dtype=grads[0].dtype, device=grads[0].device)
+
+
+def _step(model, optimizer, grads, bucket: torch.Tensor | None) -> None:
+    """One step from the fixed gradients. A DDP model's backward would also have run its comm
+    hook (the metered all-reduce, PowerSGD's low-rank average ...): here it runs over all the
+    gradients as one ``bucket`` (from :func:`_bucket`), whose views they are, and its result
+    lands in the bucket as DDP puts it there. Other strategies exchange inside
+    ``optimizer.step()``."""
     params = list(model.parameters())
-    if isinstance(model, DistributedDataParallel):
-        buffer = torch.cat([grad.reshape(-1) for grad in grads])
-        for param, piece in zip(params, buffer.split([param.numel() for param in params]), strict=True):
+    if bucket is not None:
+        pieces = bucket.split([param.numel() for param in params])
+        torch._foreach_copy_(list(pieces), [grad.reshape(-1) for grad in grads])
+        for param, piece in zip(params, pieces, strict=True):
             param.grad = piece.view_as(param)
         for hook, state in model._comm_hooks:  # noqa: SLF001 - DDP keeps (hook, state) only here
-            averaged = hook(state, _WholeBucket(params, buffer)).wait()
-            if averaged.data_ptr() != buffer.data_ptr():
-                buffer.copy_(averaged)
+            averaged = hook(state, _WholeBucket(params, bucket)).wait()
+            if averaged.data_ptr() != bucket.data_ptr():
+                bucket.copy_(averaged)
     else:
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad.clone()
@@ -140,19 +150,20 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
         except Exception as exc:  # noqa: BLE001 - a method that cannot run at W=1 is reported, not fatal
             results[name] = {"error": " ".join(str(exc).split())[:300]}
             continue
+        bucket = _bucket(model, grads)
         for _ in range(steps):  # warm-up cycle: state allocated, kernels chosen
-            _step(model, optimizer, grads)
+            _step(model, optimizer, grads, bucket)
         times = []
         for _ in range(rounds * steps):
             _sync(device)
             started = time.perf_counter()
-            _step(model, optimizer, grads)
+            _step(model, optimizer, grads, bucket)
             _sync(device)
             times.append(time.perf_counter() - started)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                _step(model, optimizer, grads)
+                _step(model, optimizer, grads, bucket)
             _sync(device)
         kinds = dict.fromkeys(ORDER, 0.0)
         for event in prof.key_averages():
@@ -162,7 +173,7 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
         results[name] = {"mean_s": statistics.fmean(times), "slowest_s": max(times), "steps": steps,
                          "phases": {kind: seconds / total for kind, seconds in kinds.items()},
                          "parameters": sum(p.numel() for p in model.parameters())}
-        del model, optimizer, grads
+        del model, optimizer, grads, bucket
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results

@@ -53,16 +53,12 @@ def test_a_batch_is_orthonormalised_matrix_by_matrix(rank):
 
 
 @pytest.mark.parametrize("per_matrix", [True, False], ids=["mm-each", "bmm"])
-def test_batched_mm_is_each_product_into_its_destination(per_matrix):
+def test_batched_mm_is_each_product(per_matrix):
     generator = torch.Generator().manual_seed(1)
     a, b = torch.randn(3, 7, 4, generator=generator), torch.randn(3, 5, 4, generator=generator)
-    expected = [a[i] @ b[i].T for i in range(3)]
-    stacked = batched_mm(a, b.mT, per_matrix=per_matrix)
-    destinations = [torch.full((7, 5), float("nan")) for _ in range(3)]
-    assert batched_mm(a, b.mT, out=destinations, per_matrix=per_matrix) is None
+    product = batched_mm(a, b.mT, per_matrix=per_matrix)  # a transposed operand, as Q = M^T P has
     for i in range(3):
-        torch.testing.assert_close(stacked[i], expected[i], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(destinations[i], expected[i], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(product[i], a[i] @ b[i].T, rtol=1e-6, atol=1e-6)
 
 
 def _gradient(name: str, rank: int, step: int) -> torch.Tensor:
@@ -78,16 +74,25 @@ def _reducer(comm: Communicator, params, **kwargs) -> PowerSGDReducer:
     return PowerSGDReducer(comm, params.items(), PowerSGDArgs.defaults(start_powerSGD_iter=0, **kwargs))
 
 
+# How the gradients are handed to ``average_``, per step: all in one call, one call each (as
+# DDP buckets of one tensor would: nothing is batched), or regrouped from step to step (as DDP
+# regroups its buckets after the first step: a batch of a and e, then neither).
+ONE_CALL = [list(SHAPES)]
+ONE_BY_ONE = [[name] for name in SHAPES]
+REGROUPED = [ONE_CALL, [["a"], ["b", "c", "d", "e"]], [["e", "d"], ["a", "b", "c"]]]
+
+
 def _steps(
-    reducer: PowerSGDReducer, comm: Communicator, rank: int, steps, *, one_by_one: bool = False
+    reducer: PowerSGDReducer, comm: Communicator, rank: int, steps, calls=None
 ) -> tuple[list[dict], list[int]]:
-    """Each step's averaged gradients and payload bytes; ``one_by_one``: one ``average_`` call
-    per gradient (as DDP buckets of one tensor would), so nothing is batched."""
+    """Each step's averaged gradients and payload bytes; ``calls``: the names of each
+    ``average_`` call of every step (default: one call), or a list of those per step."""
     outputs, payload_bytes = [], []
     for step in steps:
         gradients = {name: _gradient(name, rank, step) for name in SHAPES}
-        for call in ([[item] for item in gradients.items()] if one_by_one else [list(gradients.items())]):
-            reducer.average_(call)
+        per_step = calls[step] if calls is not None and isinstance(calls[0][0], list) else calls or ONE_CALL
+        for names in per_step:
+            reducer.average_([(name, gradients[name]) for name in names])
         reducer.iteration += 1
         outputs.append(gradients)
         payload_bytes.append(int(comm.meter.end_step()["comm/payload_bytes"]))
@@ -100,6 +105,9 @@ def _reducer_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spaw
     results = {}
     full = _reducer(comm, params, **FULL_RANK)
     results["full_rank"], _ = _steps(full, comm, rank, range(STEPS))
+    # the same, nothing batched: QR of each matrix alone (rank 10 > 2)
+    results["full_rank_one_by_one"], _ = _steps(_reducer(comm, params, **FULL_RANK), comm, rank, range(STEPS),
+                                                ONE_BY_ONE)
 
     low = _reducer(comm, params, **LOW_RANK)
     results["initial_q"] = {
@@ -107,14 +115,23 @@ def _reducer_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spaw
     }
     results["low_rank"], results["payload_bytes"] = _steps(low, comm, rank, range(STEPS))
     results["batched"] = sorted(low._inputs)  # the groups of equal-shape matrices it stacked
-    single = _reducer(comm, params, **LOW_RANK)
-    results["one_by_one"], _ = _steps(single, comm, rank, range(STEPS), one_by_one=True)
+    results["one_by_one"], _ = _steps(_reducer(comm, params, **LOW_RANK), comm, rank, range(STEPS), ONE_BY_ONE)
+    regrouped = _reducer(comm, params, **LOW_RANK)
+    results["regrouped"], _ = _steps(regrouped, comm, rank, range(STEPS), REGROUPED)
+    results["regrouped_kept"] = sorted(regrouped._inputs)
+    for flags in ({"use_error_feedback": False}, {"warm_start": False}):
+        label = next(iter(flags))
+        results[f"{label}_off"], _ = _steps(_reducer(comm, params, **LOW_RANK, **flags), comm, rank, range(STEPS))
+        results[f"{label}_off_one_by_one"], _ = _steps(_reducer(comm, params, **LOW_RANK, **flags), comm, rank,
+                                                       range(STEPS), ONE_BY_ONE)
 
     # Resume after step 1 into a fresh reducer from serialised state; steps 2.. must match.
     first = _reducer(comm, params, **LOW_RANK)
     _steps(first, comm, rank, range(1))
+    state = first.state_dict()
+    _steps(first, comm, rank, range(1, 2))  # a later step must not change the state taken before it
     buffer = io.BytesIO()
-    torch.save(first.state_dict(), buffer)
+    torch.save(state, buffer)
     buffer.seek(0)
     resumed = _reducer(comm, params, **LOW_RANK)
     resumed.load_state_dict(torch.load(buffer))
@@ -182,12 +199,21 @@ def test_low_rank_error_feedback_and_warm_start_match_the_dense_re_derivation(re
 
 
 @pytest.mark.slow
-def test_equal_shapes_are_batched_and_give_the_one_by_one_result_bit_for_bit(reducer_results):
+@pytest.mark.parametrize(("batched", "alone"), [
+    ("low_rank", "one_by_one"),  # Gram-Schmidt (rank 2)
+    ("full_rank", "full_rank_one_by_one"),  # QR
+    ("regrouped", "one_by_one"),  # a batch, then its matrices in other calls
+    ("use_error_feedback_off", "use_error_feedback_off_one_by_one"),
+    ("warm_start_off", "warm_start_off_one_by_one"),
+])
+def test_equal_shapes_are_batched_and_give_the_one_by_one_result_bit_for_bit(reducer_results, batched, alone):
     for result in reducer_results:
         assert result["batched"] == [("a", "e"), ("d",)]
-        for batched, alone in zip(result["low_rank"], result["one_by_one"], strict=True):
+        for together, one_by_one in zip(result[batched], result[alone], strict=True):
             for name in SHAPES:
-                assert torch.equal(batched[name], alone[name]), name
+                assert torch.equal(together[name], one_by_one[name]), name
+    # the stacks of a group that was broken up are not kept
+    assert reducer_results[0]["regrouped_kept"] == [("a",), ("d",), ("e",)]
 
 
 @pytest.mark.slow

@@ -124,24 +124,16 @@ def orthogonalize_(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     return matrix
 
 
-def batched_mm(
-    a: torch.Tensor, b: torch.Tensor, out: Sequence[torch.Tensor] | None = None, *, per_matrix: bool | None = None
-) -> torch.Tensor | None:
-    """``torch.bmm(a, b)``, into the matrices ``out`` when given (each ``a[i] @ b[i]``);
-    except on the CPU, where it is one ``mm`` per matrix, straight into its destination: there
-    bmm ran PowerSGD's tall products at half the speed of mm (136 ms against 83, four
-    OLMo-300M blocks at rank 32), and a fresh batch output costs its page faults again every
-    step. On the CPU the result is the per-matrix products' bit for bit. ``per_matrix`` forces
-    either way (default: on the CPU)."""
+def batched_mm(a: torch.Tensor, b: torch.Tensor, *, per_matrix: bool | None = None) -> torch.Tensor:
+    """``torch.bmm(a, b)``; on the CPU one ``mm`` per matrix into the batch's output instead:
+    there bmm ran PowerSGD's tall products at half the speed of mm (136 ms against 83, four
+    OLMo-300M blocks at rank 32), and the result is the per-matrix products' bit for bit.
+    ``per_matrix`` forces either way (default: on the CPU)."""
     if not (a.device.type == "cpu" if per_matrix is None else per_matrix):
-        product = torch.bmm(a, b)
-        if out is None:
-            return product
-        torch._foreach_copy_(list(out), list(product.unbind()))
-        return None
-    product = a.new_empty(a.shape[0], a.shape[1], b.shape[2]) if out is None else None
+        return torch.bmm(a, b)
+    product = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
     for i in range(a.shape[0]):
-        torch.mm(a[i], b[i], out=product[i] if out is None else out[i])
+        torch.mm(a[i], b[i], out=product[i])
     return product
 
 
@@ -180,8 +172,8 @@ class PowerSGDReducer:
         self.iteration = 0
         self._error: dict[str, torch.Tensor] = {}  # this worker's error feedback, per parameter
         self._q: dict[str, torch.Tensor] = {}  # warm start: last step's Q (m x r), per parameter
-        # per group of equal-shape matrices (by their names): their inputs stacked, then their
-        # remainders; the error feedback of each is a view of it
+        # with error feedback, per group of equal-shape matrices (by their names): their inputs
+        # stacked, then their remainders; the error feedback of each is a view of it
         self._inputs: dict[tuple[str, ...], torch.Tensor] = {}
 
     @property
@@ -228,20 +220,21 @@ class PowerSGDReducer:
 
     def _low_rank_average_(self, matrices: list[tuple[str, torch.Tensor, int]]) -> None:
         """P, Q and the approximation of every compressed matrix, batched by shape: the
-        matrices of one (n, m, r) are stacked, and each orthonormalisation, remainder and (on
-        a GPU) product is one operator for all of them. OLMo's blocks repeat four shapes, so
-        OLMo-300M's 65 compressed matrices (when DDP puts them in one bucket) are 5 groups:
-        5 + 5 QRs per step instead of 65 + 65, each with its own solver launches on a GPU. P and Q travel in model order, as
-        per-matrix products would lay them out, so the sums are the same; on the CPU the result
-        is the one-matrix-at-a-time computation's bit for bit."""
+        matrices of one (n, m, r, dtype) are stacked, and each orthonormalisation and (on a
+        GPU) each of P = M Q and Q = M^T P is one operator for all of them. OLMo's blocks
+        repeat four shapes, so OLMo-300M's 65 compressed matrices, were they in one call, are
+        5 groups: 5 + 5 QRs per step instead of 65 + 65, each with its own solver launches on
+        a GPU (DDP's 25 MB buckets hand the hook no two of one shape at 300M: README). P and Q
+        travel in model order, as per-matrix products would lay them out, so the sums are the
+        same; on the CPU the result is the one-matrix-at-a-time computation's bit for bit."""
         world = self.comm.world_size
         if self.use_error_feedback:
             with_error = [(matrix, self._error[name]) for name, matrix, _ in matrices if name in self._error]
             if with_error:
                 torch._foreach_add_(*map(list, zip(*with_error, strict=True)))
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for index, (_, matrix, rank) in enumerate(matrices):
-            groups.setdefault((*matrix.shape, rank), []).append(index)
+            groups.setdefault((*matrix.shape, rank, matrix.dtype, matrix.device), []).append(index)
         # per group: its matrices stacked (a copy: with error feedback, the input it keeps)
         stacked = {key: self._stacked([matrices[i] for i in members]) for key, members in groups.items()}
         starts = {}
@@ -267,24 +260,26 @@ class PowerSGDReducer:
         qs = self._by_group(flat_q, groups, matrices, rows=False)
 
         for key, members in groups.items():
-            outputs = [matrices[i][1] for i in members]  # the gradients, replaced by P Q^T
-            batched_mm(ps[key], qs[key].mT, out=outputs)
-            if self.use_error_feedback:
-                # the stacked inputs become the remainders; each parameter's is a view of them
-                torch._foreach_sub_(list(stacked[key].unbind()), outputs)
             for j, i in enumerate(members):
-                name = matrices[i][0]
+                name, matrix, _ = matrices[i]
+                # one product per matrix, straight into its gradient: a batched one would need
+                # a group-sized temporary and a copy, for a product that is bound by memory
+                torch.mm(ps[key][j], qs[key][j].T, out=matrix)
                 if self.use_error_feedback:
-                    self._error[name] = stacked[key][j]
+                    # the stacked inputs become the remainders: each parameter's is a view
+                    self._error[name] = stacked[key][j].sub_(matrix)
                 if self.warm_start:
                     self._q[name] = qs[key][j]  # a view of this group's own stack, not of flat_q
 
     def _stacked(self, matrices: list[tuple[str, torch.Tensor, int]]) -> torch.Tensor:
-        """A copy of equal-shape ``matrices``, stacked, in a buffer kept for them from step to
-        step (so the copy costs no fresh allocation; last step's remainders, views of it, have
-        been added to the gradients by now)."""
-        names = tuple(name for name, _, _ in matrices)
+        """A copy of equal-shape ``matrices``, stacked. With error feedback, in a buffer kept
+        for them from step to step, which then holds their remainders (so the copy costs no
+        fresh pages; last step's remainders, views of it, have been added to the gradients by
+        now); without, a copy for this step only."""
         first = matrices[0][1]
+        if not self.use_error_feedback:
+            return torch.stack([matrix for _, matrix, _ in matrices])
+        names = tuple(name for name, _, _ in matrices)
         buffer = self._inputs.get(names)
         if buffer is None or buffer.shape[1:] != first.shape or (buffer.dtype, buffer.device) != (first.dtype, first.device):
             # DDP regroups its buckets after the first step: a group it broke up is not kept
@@ -295,7 +290,7 @@ class PowerSGDReducer:
         return buffer
 
     @staticmethod
-    def _in_model_order(groups: dict[tuple[int, int, int], list[int]], stacks: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    def _in_model_order(groups: dict[tuple, list[int]], stacks: dict[tuple, torch.Tensor]) -> torch.Tensor:
         """One flat buffer of the groups' stacked n x r (or m x r) factors, matrix by matrix
         in model order."""
         pieces: list[torch.Tensor | None] = [None] * sum(map(len, groups.values()))
@@ -306,9 +301,9 @@ class PowerSGDReducer:
 
     @staticmethod
     def _by_group(
-        flat: torch.Tensor, groups: dict[tuple[int, int, int], list[int]],
+        flat: torch.Tensor, groups: dict[tuple, list[int]],
         matrices: list[tuple[str, torch.Tensor, int]], *, rows: bool,
-    ) -> dict[tuple[int, int, int], torch.Tensor]:
+    ) -> dict[tuple, torch.Tensor]:
         """The factors of a flat model-order buffer (P: n x r each if ``rows``, else Q: m x
         r), stacked per group (a copy)."""
         shapes = [(matrix.shape[0] if rows else matrix.shape[1], rank) for _, matrix, rank in matrices]
