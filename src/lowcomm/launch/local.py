@@ -334,19 +334,40 @@ def _die_with_parent() -> None:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+_SETTLE_S = 5.0  # after a rank fails, how long the others may take to leave by themselves
+
+
+def _failures(procs: list[subprocess.Popen]) -> dict[int, int]:
+    """Rank -> exit status of the workers that have failed (not ended on a stop signal)."""
+    codes = [proc.poll() for proc in procs]
+    return {rank: code for rank, code in enumerate(codes) if code not in (None, 0, *_STOPPED_BY_SIGNAL)}
+
+
+def _settled_failures(procs: list[subprocess.Popen]) -> dict[int, int]:
+    """The failures once the workers still running have had :data:`_SETTLE_S` to leave by
+    themselves. Ranks that fail on a condition they agreed on (no usable checkpoint, say) leave
+    moments apart, in any order; without the wait the line named whichever the launcher saw
+    first, not the root cause among equals (:func:`_root_cause`). A rank stuck on its failed
+    peer does not delay the line by more than the wait."""
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+        time.sleep(0.05)
+    return _failures(procs)
+
+
 def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path) -> None:
     """Until every worker has exited with 0. At the first that did not: :class:`WorkerFailure`
-    naming the root cause (:func:`_root_cause`), or :class:`_StoppedBySignal` when the workers
-    ended on a stop signal by themselves."""
+    naming the root cause among the failures once the others have settled
+    (:func:`_settled_failures`, :func:`_root_cause`), or :class:`_StoppedBySignal` when the
+    workers ended on a stop signal by themselves."""
     while True:
         codes = [proc.poll() for proc in procs]
         if all(code == 0 for code in codes):
             return
         ended = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
         if ended:
-            failures = {rank: code for rank, code in ended.items() if code not in _STOPPED_BY_SIGNAL}
-            if failures:
-                raise _root_cause(failures, words_dir, run_dir)
+            if _failures(procs):
+                raise _root_cause(_settled_failures(procs), words_dir, run_dir)
             raise _StoppedBySignal(next(iter(ended.values())) - 128)
         time.sleep(0.05)
 
