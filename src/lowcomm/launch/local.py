@@ -293,8 +293,7 @@ def _finish_interrupted(procs: list[subprocess.Popen], run: RunConfig, signum: i
     try:
         while why_not is None:
             codes = [proc.poll() for proc in procs]
-            failures = {rank: code for rank, code in enumerate(codes)
-                        if code is not None and code not in (0, *_STOPPED_BY_SIGNAL)}
+            failures = _failures(codes)
             # a rank that left on the signal with words gave up on the boundary: the others
             # cannot write a checkpoint without it
             gave_up = [words["cause"] for rank, code in enumerate(codes)
@@ -337,9 +336,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SETTLE_S = 5.0  # after a rank fails, how long the others may take to leave by themselves
 
 
-def _failures(procs: list[subprocess.Popen]) -> dict[int, int]:
-    """Rank -> exit status of the workers that have failed (not ended on a stop signal)."""
-    codes = [proc.poll() for proc in procs]
+def _failures(codes: list[int | None]) -> dict[int, int]:
+    """Rank -> exit status of the workers that have failed (not running, not ended with 0 or on
+    a stop signal), from their ``poll()`` codes."""
     return {rank: code for rank, code in enumerate(codes) if code not in (None, 0, *_STOPPED_BY_SIGNAL)}
 
 
@@ -352,7 +351,7 @@ def _settled_failures(procs: list[subprocess.Popen]) -> dict[int, int]:
     deadline = time.monotonic() + _SETTLE_S
     while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
         time.sleep(0.05)
-    return _failures(procs)
+    return _failures([proc.poll() for proc in procs])
 
 
 def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path) -> None:
@@ -364,11 +363,11 @@ def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path) -> 
         codes = [proc.poll() for proc in procs]
         if all(code == 0 for code in codes):
             return
-        ended = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
-        if ended:
-            if _failures(procs):
-                raise _root_cause(_settled_failures(procs), words_dir, run_dir)
-            raise _StoppedBySignal(next(iter(ended.values())) - 128)
+        if _failures(codes):
+            raise _root_cause(_settled_failures(procs), words_dir, run_dir)
+        stopped = [code for code in codes if code in _STOPPED_BY_SIGNAL]
+        if stopped:
+            raise _StoppedBySignal(stopped[0] - 128)
         time.sleep(0.05)
 
 

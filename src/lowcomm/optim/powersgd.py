@@ -314,9 +314,10 @@ class PowerSGDReducer:
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """This worker's state: the step count, its error-feedback buffers, the warm-start Qs."""
-        # copies: the remainders are views of buffers the next step writes over
+        # the remainders are copied: they are views of buffers the next step writes over (the
+        # Qs are views of a stack each step makes afresh)
         return {"iteration": self.iteration, "error": {name: t.clone() for name, t in self._error.items()},
-                "q": {name: t.clone() for name, t in self._q.items()}}
+                "q": dict(self._q)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = (set(state["error"]) | set(state["q"])) - set(self._params)
