@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(PY) -m pip check
+	@# compile lowcomm's CPU kernels now rather than in a run's first step (a failure only warns)
+	$(VENV)/bin/lowcomm-build-kernels
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,13 +1,33 @@
-"""The two-round per-block top-k (lowcomm.compress.block_topk) against torch.topk of every
-block gathered, and against hand-placed values."""
+"""The per-block top-k (lowcomm.compress.block_topk) against torch.topk of every block
+gathered, and against hand-placed values: on both of its CPU paths, the C++ kernel
+(lowcomm.compress.cpu_kernels) and the torch rounds, which must also agree with each other
+entry for entry (and so must whole DeMo and SparseLoCo steps taken on each)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from lowcomm.compress import cpu_kernels
 from lowcomm.compress.block_topk import block_topk, group_rows
 from lowcomm.compress.dct import BlockLayout
+
+PATHS = ["kernel", "torch"]
+
+
+@pytest.fixture(params=PATHS)
+def selection_path(request, monkeypatch):
+    """Run the test on the C++ kernel (which must have been built: a machine where lowcomm's
+    tests run has a compiler) and on the torch rounds."""
+    if request.param == "kernel":
+        assert cpu_kernels.available(), "lowcomm's CPU kernels did not build (see the warning)"
+    else:
+        monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    return request.param
 
 
 def reference(matrix: torch.Tensor, layout: BlockLayout, k: int) -> torch.Tensor:
@@ -30,13 +50,16 @@ def reference(matrix: torch.Tensor, layout: BlockLayout, k: int) -> torch.Tensor
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("selection_path")
 def test_selects_what_torch_topk_selects(shape, chunk, k, rows_per_group, dtype):
     layout = BlockLayout.for_shape(shape, chunk)
     k = min(k, layout.block_numel)
     assert group_rows(layout, k) == rows_per_group
     matrix = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    index, positions = block_topk(matrix, layout, k)
-    assert index.shape == positions.shape == (layout.num_blocks, k)
+    index, positions, values = block_topk(matrix, layout, k)
+    assert index.shape == positions.shape == values.shape == (layout.num_blocks, k)
+    assert torch.equal(values, matrix.view(-1)[positions])
+    assert bool((index[:, 1:] > index[:, :-1]).all()), "each block's entries in ascending index"
     if dtype == torch.float32:  # distinct magnitudes: the same entries
         assert torch.equal(index.sort(dim=1).values, reference(matrix, layout, k))
     else:  # bf16 rounds into ties: the same magnitudes
@@ -48,6 +71,7 @@ def test_selects_what_torch_topk_selects(shape, chunk, k, rows_per_group, dtype)
     assert positions.unique().numel() == positions.numel()
 
 
+@pytest.mark.usefixtures("selection_path")
 def test_two_winners_in_one_group_are_both_kept():
     """An 8 x 8 block, k = 2: groups are whole columns (8 rows); the two largest magnitudes sit
     in column 3, so one candidate per group would lose one. Hand-placed values."""
@@ -55,11 +79,12 @@ def test_two_winners_in_one_group_are_both_kept():
     matrix[1, 3], matrix[6, 3], matrix[2, 5], matrix[0, 0] = 5.0, -4.0, 3.0, 2.5
     layout = BlockLayout.for_shape(matrix.shape, 8)
     assert group_rows(layout, 2) == 8
-    index, positions = block_topk(matrix, layout, 2)
+    index, positions, _ = block_topk(matrix, layout, 2)
     assert sorted(index.view(-1).tolist()) == [1 * 8 + 3, 6 * 8 + 3]
     assert sorted(positions.view(-1).tolist()) == [11, 51]
 
 
+@pytest.mark.usefixtures("selection_path")
 def test_ties_keep_the_magnitudes_of_the_true_top_k():
     """Equal magnitudes (a zero block, repeated values, +x and -x): the entries chosen may
     differ from torch.topk's, their magnitudes may not."""
@@ -68,17 +93,169 @@ def test_ties_keep_the_magnitudes_of_the_true_top_k():
     matrix[:64, :64] = 0  # one block of zeros
     layout = BlockLayout.for_shape(matrix.shape, 64)
     assert group_rows(layout, 32) == 8
-    index, positions = block_topk(matrix, layout, 32)
+    index, positions, _ = block_topk(matrix, layout, 32)
     chosen = matrix.view(-1)[positions].abs().sort(dim=1).values
     blocks = layout.blocked(matrix).abs().reshape(layout.num_blocks, -1)
     assert torch.equal(chosen, torch.topk(blocks, 32, dim=1).values.sort(dim=1).values)
     assert all(row.unique().numel() == 32 for row in index)
 
 
+@pytest.mark.usefixtures("selection_path")
 def test_nan_is_selected_as_torch_topk_selects_it():
     """A NaN counts as the largest magnitude, as in torch.topk (so a diverged run sends it)."""
     matrix = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
     matrix[10, 20] = float("nan")
     layout = BlockLayout.for_shape(matrix.shape, 64)
-    index, _ = block_topk(matrix, layout, 32)
+    index, _, values = block_topk(matrix, layout, 32)
     assert 10 * 64 + 20 in index.view(-1).tolist()
+    assert values.isnan().sum() == 1
+
+
+# ------------------------------------------------------------- the kernel against the rounds
+def both_paths(monkeypatch, run):
+    """``run()`` on the kernel, then on the torch rounds."""
+    assert cpu_kernels.available(), "lowcomm's CPU kernels did not build (see the warning)"
+    on_kernel = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "ops", lambda: None)
+        on_torch = run()
+    return on_kernel, on_torch
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk", "k", "dtype"),
+    [
+        ((3072, 1024), 64, 32, torch.float32),  # 16 rows per group
+        ((1024, 4096), 64, 64, torch.float64),
+        ((96, 40), 16, 8, torch.float16),
+        ((100, 37), 64, 32, torch.float32),  # 50 x 37 blocks: 10 rows per group
+        ((64, 64), 64, 4096, torch.float32),  # every entry
+        ((5000,), 64, 32, torch.float32),  # one row high: a group is one entry
+        ((7, 3), 64, 1, torch.float32),  # one block, k = 1
+    ],
+)
+def test_the_kernel_returns_what_the_rounds_return(shape, chunk, k, dtype, monkeypatch):
+    """Distinct magnitudes: the same entries, in the same order, bit for bit."""
+    layout = BlockLayout.for_shape(shape, chunk)
+    k = min(k, layout.block_numel)
+    matrix = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+    on_kernel, on_torch = both_paths(monkeypatch, lambda: block_topk(matrix, layout, k))
+    for mine, theirs in zip(on_kernel, on_torch, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_the_kernel_breaks_ties_towards_the_lower_index():
+    """Its documented rule (the rounds leave the choice open): a block of equal magnitudes
+    gives its first k entries, whatever their signs."""
+    assert cpu_kernels.available()
+    matrix = torch.ones(16, 16)
+    matrix[::2] = -1
+    layout = BlockLayout.for_shape(matrix.shape, 16)
+    index, positions, values = block_topk(matrix, layout, 20)
+    assert index.tolist() == [list(range(20))]
+    assert torch.equal(values.view(-1), matrix.view(-1)[:20])
+
+
+def test_the_kernel_ranks_nan_and_infinity_first():
+    """A block of NaN and +-inf among finite values: NaN and infinities fill the k places
+    (NaN counting as the largest, as in torch.topk), an all-NaN block its first k."""
+    assert cpu_kernels.available()
+    matrix = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    matrix[3, 4], matrix[9, 1], matrix[12, 15] = float("nan"), float("inf"), -float("inf")
+    matrix[:, 16:] = float("nan")
+    layout = BlockLayout.for_shape(matrix.shape, 16)
+    index, _, values = block_topk(matrix, layout, 3)
+    assert index.tolist() == [[3 * 16 + 4, 9 * 16 + 1, 12 * 16 + 15], [0, 1, 2]]
+    assert values[0, 0].isnan() and values[0, 1:].abs().isinf().all() and values[1].isnan().all()
+
+
+def test_the_kernel_rejects_what_it_cannot_select():
+    assert cpu_kernels.available()
+    kernel = cpu_kernels.ops().block_topk
+    with pytest.raises(RuntimeError, match="do not tile"):
+        kernel(torch.zeros(10, 10), 4, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="needs at least k groups per block"):
+        kernel(torch.zeros(8, 8), 8, 8, 9, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(torch.zeros(8, 16).T, 8, 8, 2, 1)
+
+
+@pytest.mark.parametrize("wire", ["paper", "sign"])
+def test_demo_steps_on_the_kernel_equal_those_on_the_rounds(wire, monkeypatch):
+    """Three DeMo steps of OLMo-like shapes (64 x 64 blocks, one bucket): parameters and
+    momenta bit for bit. The sign wire sends each block's mean magnitude, a sum over its
+    entries in payload order, which is why both paths order them alike."""
+    from lowcomm.optim import DeMo, DeMoArgs
+
+    def run():
+        generator = torch.Generator().manual_seed(7)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(256, 128), (128, 512)]]
+        optimizer = DeMo(params, DeMoArgs.defaults(lr=0.01, wire=wire, bucket_numel=10**9))
+        for _ in range(3):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator)
+            optimizer.step()
+        momenta = [state["momentum_dct"] for state in optimizer.state.values()]
+        return [param.detach().clone() for param in params] + [m.clone() for m in momenta]
+
+    on_kernel, on_torch = both_paths(monkeypatch, run)
+    for mine, theirs in zip(on_kernel, on_torch, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_sparseloco_payloads_on_the_kernel_equal_those_on_the_rounds(monkeypatch):
+    """SparseLoCo's chunked top-k with 2-bit codes: the code table is computed from the kept
+    values, so their order matters; the payloads are byte for byte the same."""
+    from lowcomm.compress.chunked_topk import ChunkedTopK
+
+    codec = ChunkedTopK(chunk=64, topk=64, bits=2, wire="packed")
+    tensor = torch.randn(256, 192, generator=torch.Generator().manual_seed(8))
+    on_kernel, on_torch = both_paths(monkeypatch, lambda: codec.encode(tensor).tensors)
+    assert on_kernel.keys() == on_torch.keys()
+    for key in on_kernel:
+        assert torch.equal(on_kernel[key], on_torch[key]), key
+
+
+# ------------------------------------------------------------------ building the kernels
+def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), **env}
+    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_a_failed_build_warns_and_the_torch_path_runs(tmp_path):
+    """No usable compiler: one warning naming the build directory, then the same selection."""
+    code = """
+import warnings, torch
+from lowcomm.compress import cpu_kernels
+from lowcomm.compress.block_topk import block_topk
+from lowcomm.compress.dct import BlockLayout
+layout = BlockLayout.for_shape((64, 64), 16)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    index, _, _ = block_topk(torch.arange(4096.0).view(64, 64), layout, 2)
+    block_topk(torch.zeros(64, 64), layout, 2)
+print(len(caught), str(caught[0].message))
+print(cpu_kernels.available(), index[0].tolist())
+"""
+    result = _python(code, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert result.returncode == 0, result.stderr
+    count, message = result.stdout.splitlines()[0].split(" ", 1)
+    assert count == "1"
+    assert "lowcomm's CPU kernels could not be built in" in message and str(tmp_path / "extensions") in message
+    assert "the torch paths run instead" in message
+    assert result.stdout.splitlines()[1] == "False [254, 255]"  # block (0, 0)'s two largest: its last row's last two
+
+
+def test_the_switch_turns_the_kernels_off_and_is_checked(tmp_path):
+    code = "from lowcomm.compress import cpu_kernels; print(cpu_kernels.available())"
+    off = _python(code, tmp_path, LOWCOMM_CPU_KERNELS="0")
+    assert off.stdout.strip() == "False" and not (tmp_path / "extensions").exists()
+    bad = _python(code, tmp_path, LOWCOMM_CPU_KERNELS="maybe")
+    assert bad.returncode != 0 and "LOWCOMM_CPU_KERNELS='maybe': set it to 1" in bad.stderr
+
+
+def test_the_build_directory_is_keyed_by_source_and_cpu(monkeypatch):
+    here = cpu_kernels.build_directory()
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")
+    assert cpu_kernels.build_directory() != here
+    assert cpu_kernels.build_directory().parent == here.parent

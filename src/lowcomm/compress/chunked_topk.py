@@ -125,8 +125,8 @@ class ChunkedTopK:
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> Payload:
         layout = self.layout(tensor.shape)
-        indices, positions = block_topk(tensor.reshape(layout.rows, layout.cols), layout, self.kept_per_block(layout))
-        values = tensor.reshape(-1).index_select(0, positions.view(-1))
+        indices, _, values = block_topk(tensor.reshape(layout.rows, layout.cols), layout, self.kept_per_block(layout))
+        values = values.view(-1)
         if self.wire in TWELVE_BIT_WIRES:
             tensors = {"indices": pack_uint12(indices)}
         else:

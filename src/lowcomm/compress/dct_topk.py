@@ -196,12 +196,7 @@ class DCTTopK:
         signed values. The selection is :func:`~lowcomm.compress.block_topk.block_topk`'s (exact;
         among equal magnitudes at the k-th place its choice is unspecified, as torch.topk's is).
         ``scratch`` (``numel`` entries of the coefficients' dtype) is its work space."""
-        coefficients = coefficients.view(layout.rows, layout.cols)
-        index, positions = block_topk(coefficients, layout, self.kept_per_block(layout), scratch=scratch)
-        # index_select of the flat positions: the same gather, several times faster on the CPU
-        # than advanced indexing
-        values = coefficients.reshape(-1).index_select(0, positions.view(-1)).view(positions.shape)
-        return index, positions, values
+        return block_topk(coefficients, layout, self.kept_per_block(layout), scratch=scratch)
 
     def pack(self, index: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> Payload:
         """The payload for the ``index`` and ``values`` from :meth:`select`, in this codec's
