@@ -254,6 +254,27 @@ def test_the_switch_turns_the_kernels_off_and_is_checked(tmp_path):
     assert bad.returncode != 0 and "LOWCOMM_CPU_KERNELS='maybe': set it to 1" in bad.stderr
 
 
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(tmp_path):
+    """torch's builder waits for its lock file with no time limit; one older than a build can
+    take is a leftover, removed with a line that says so (a fresh one is another process's)."""
+    code = """
+import os, sys, time
+from pathlib import Path
+from lowcomm.compress import cpu_kernels
+lock = cpu_kernels.build_directory() / "lock"
+lock.parent.mkdir(parents=True)
+lock.touch()
+old = time.time() - cpu_kernels.STALE_LOCK_S - 60
+os.utime(lock, (old, old))
+print(cpu_kernels.available(), lock.exists())
+"""
+    result = _python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+    assert "left 6 min ago by a build that did not finish" in result.stderr
+    assert "building the CPU kernels" in result.stderr
+
+
 def test_the_build_directory_is_keyed_by_source_and_cpu(monkeypatch):
     here = cpu_kernels.build_directory()
     monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")

@@ -11,7 +11,8 @@ They are built with torch's own extension builder (``torch.utils.cpp_extension``
 compiler and ninja) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``),
 under a name keyed by the source, torch's version and this CPU, since they are compiled for the
 CPU they are built on (``-march=native``): nodes of another CPU sharing a home directory build
-their own. Concurrent builds (a run's workers starting together) wait on torch's lock. ``make
+their own. Concurrent builds (a run's workers starting together) wait on torch's lock; a lock left by a build
+killed part way is removed after ``STALE_LOCK_S``. ``make
 venv`` builds them ahead (``lowcomm-build-kernels``, which also says where they are).
 
 ``LOWCOMM_CPU_KERNELS=0`` turns them off (the torch paths run). A failed build warns once and
@@ -37,6 +38,10 @@ __all__ = ["SWITCH", "available", "build_directory", "enabled", "ops"]
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 SWITCH = "LOWCOMM_CPU_KERNELS"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# torch's builder holds a lock file while it compiles and makes every other process wait for it
+# to go, with no time limit: a build killed part way (Ctrl-C in a run's first step) would leave
+# every later run waiting. A build takes seconds; a lock this old is such a leftover.
+STALE_LOCK_S = 300
 
 
 def _cpu_identity() -> str:
@@ -85,6 +90,7 @@ def ops() -> Any | None:
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(directory / "lock")
         built = any(directory.glob("*.so"))
         started = time.perf_counter()
         if not built:
@@ -106,6 +112,17 @@ def ops() -> Any | None:
         )
         return None
     return torch.ops.lowcomm
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"lowcomm: removing {lock}, left {age / 60:.0f} min ago by a build that did not finish",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def available() -> bool:
