@@ -126,6 +126,20 @@ def test_keys_added_to_train_keep_the_names_of_runs_started_before_them():
     assert changed_keys(what_is_trained(before), what_is_trained(with_defaults)) == []
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_ddp", "muon_ddp", "powersgd"])
+def test_ddp_bucket_size_is_a_checked_setting_that_keeps_earlier_names(tmp_path, optimizer):
+    """optimizer.bucket_cap_mb came after runs were named: at its default (25, torch's) a run
+    keeps the name it had without it; another size is another run; 0 is refused."""
+    at_default = tiny_run(tmp_path, f"optimizer={optimizer}")
+    assert at_default.raw["optimizer"]["bucket_cap_mb"] == 25
+    before = copy.deepcopy(at_default.raw)
+    del before["optimizer"]["bucket_cap_mb"]
+    assert derive_run_name(before, 2) == at_default.run_name
+    larger = tiny_run(tmp_path, f"optimizer={optimizer}", "optimizer.bucket_cap_mb=100")
+    assert larger.run_name != at_default.run_name
+    assert "optimizer.bucket_cap_mb must be > 0" in _error(tmp_path, f"optimizer={optimizer}", "optimizer.bucket_cap_mb=0")
+
+
 def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_path):
     message = _error(tmp_path, "cluster=slurm_debug", "cluster.gpus_per_node=4", "train.global_batch_size=8")
     assert "cluster.tasks_per_node (2) must equal cluster.gpus_per_node (4)" in message

@@ -233,12 +233,17 @@ def test_state_dict_resume_continues_exactly(reducer_results):
 
 
 # ------------------------------------------------------------------------- through DDP
-def _ddp_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_workers' signature
+def _ddp_worker(rank: int, world_size: int, bucket_cap_mb: float) -> bytes:  # noqa: ARG001 - spawn_workers' signature
     torch.set_num_threads(1)
-    cfg = PowerSGDConfig.defaults(start_powerSGD_iter=0, matrix_approximation_rank=64, min_compression_rate=0.25)
+    cfg = PowerSGDConfig.defaults(start_powerSGD_iter=0, matrix_approximation_rank=64, min_compression_rate=0.25,
+                                  bucket_cap_mb=bucket_cap_mb)
     strategy = PowerSGD(cfg, {"name": "none"}, Communicator())
     spec = ModelSpec()
     ddp, _ = strategy.build(build_model(spec, "cpu", seed=0))
+    assert ddp.bucket_bytes_cap == int(bucket_cap_mb * 2**20)  # the config's size reached DDP
+    hook_calls = []
+    average = strategy.reducer.average_
+    strategy.reducer.average_ = lambda gradients: hook_calls.append([g.numel() for _, g in gradients]) or average(gradients)
     local = build_model(spec, "cpu", seed=0)
     steps = []
     for step in range(2):
@@ -250,13 +255,15 @@ def _ddp_worker(rank: int, world_size: int) -> bytes:  # noqa: ARG001 - spawn_wo
             "ddp": {name: p.grad.clone() for name, p in ddp.module.named_parameters()},
             "local": {name: p.grad.clone() for name, p in local.named_parameters()},
         })
-    return {"steps": steps, "iteration": strategy.reducer.iteration}
+    return {"steps": steps, "iteration": strategy.reducer.iteration, "hook_calls": hook_calls}
 
 
 @pytest.mark.slow
-def test_the_ddp_hook_averages_exactly_at_full_rank():
-    """Tiny OLMo, rank 64 >= min(n, m) of every matrix, every matrix compressed from step 0."""
-    results = spawn_workers(_ddp_worker, WORLD)
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.1], ids=["one-bucket", "small-buckets"])
+def test_the_ddp_hook_averages_exactly_at_full_rank(bucket_cap_mb):
+    """Tiny OLMo, rank 64 >= min(n, m) of every matrix, every matrix compressed from step 0; its
+    0.6 MB of gradients in one 25 MiB bucket, or in several of ``optimizer.bucket_cap_mb=0.1``."""
+    results = spawn_workers(_ddp_worker, WORLD, bucket_cap_mb)
     shapes = dict(build_model(ModelSpec(), "meta").named_parameters())
     assert all((n + m) * min(n, m) * 0.25 < n * m for n, m in (p.shape for p in shapes.values()))
     for step in range(2):
@@ -265,6 +272,17 @@ def test_the_ddp_hook_averages_exactly_at_full_rank():
             for result in results:
                 torch.testing.assert_close(result["steps"][step]["ddp"][name], mean, rtol=1e-4, atol=1e-6)
     assert [result["iteration"] for result in results] == [2, 2]
+    # DDP's first step runs one bucket per parameter; its buckets of the config's size thereafter
+    # the hook's calls: DDP's first step is one bucket (torch sizes its first bucket 1 MiB); then
+    # buckets of the config's size: each closes with the parameter that brings it to the cap
+    cap = bucket_cap_mb * 2**20
+    for result in results:
+        first, *buckets = result["hook_calls"]
+        assert len(first) == len(shapes) and sum(map(len, buckets)) == len(shapes)
+        assert len(buckets) == (1 if bucket_cap_mb == 25 else 4)
+        for i, bucket in enumerate(buckets):
+            assert 4 * sum(bucket[:-1]) < cap
+            assert 4 * sum(bucket) >= cap or i == len(buckets) - 1
 
 
 def _tiny_payload_bytes(rank: int, min_compression_rate: float) -> int:

@@ -10,9 +10,9 @@ from typing import Any
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
               "divergence_factor", "compile")
-# train keys added after runs were named: at these values they leave the name as it was, so a
-# run started before they existed still finds its checkpoints
-_ADDED_LATER = {"param_dtype": "fp32"}
+# keys added after runs were named, per config group: at these values they leave the name as it
+# was, so a run started before they existed still finds its checkpoints
+_ADDED_LATER = {"train": {"param_dtype": "fp32"}, "optimizer": {"bucket_cap_mb": 25}}
 
 
 def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
@@ -42,8 +42,9 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
     """``<model>-<optimizer>[-<compression>]-w<W>-<hash>``: deterministic, so a requeued job
     finds its own checkpoints, and a different config never shares a directory."""
     semantic = what_is_trained(raw)
-    if isinstance(semantic.get("train"), dict):  # (comparisons see these keys; only the name leaves them out)
-        semantic["train"] = {k: v for k, v in semantic["train"].items() if (k, v) not in _ADDED_LATER.items()}
+    for group, added in _ADDED_LATER.items():  # (comparisons see these keys; only the name leaves them out)
+        if isinstance(semantic.get(group), dict):
+            semantic[group] = {k: v for k, v in semantic[group].items() if k not in added or v != added[k]}
     semantic["world_size"] = world_size
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]

@@ -7,12 +7,18 @@ from typing import ClassVar
 import torch
 
 from lowcomm.optim.grouping import AdamWArgs, adamw
-from lowcomm.strategies.base import Display, Point, StrategyConfig, register
-from lowcomm.strategies.ddp import WIRE_DTYPES, DDPStrategy, dense_gradient_bytes, wire_dtype_errors
+from lowcomm.strategies.base import Display, Point, register
+from lowcomm.strategies.ddp import (
+    WIRE_DTYPES,
+    DDPConfig,
+    DDPStrategy,
+    dense_gradient_bytes,
+    wire_dtype_errors,
+)
 
 
 @dataclass(kw_only=True)
-class AdamWDDPConfig(StrategyConfig, AdamWArgs):
+class AdamWDDPConfig(DDPConfig, AdamWArgs):
     """``configs/optimizer/adamw_ddp.yaml``. ``wire_dtype``: bfloat16 by default, since the DeMo
     paper's AdamW rows (636.9 / 2416.6 MB) are about 2 bytes per parameter, so its compression
     ratios are against bf16 gradients; float32 stays a choice."""

@@ -13,12 +13,13 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lowcomm.comm import Communicator
-from lowcomm.strategies.base import Strategy
+from lowcomm.strategies.base import Strategy, StrategyConfig
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,26 +55,44 @@ _NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                    else {"broadcast_buffers": False})
 
 
+@dataclass(kw_only=True)
+class DDPConfig(StrategyConfig):
+    """The fields of every DDP method's config. ``bucket_cap_mb``: the size of DDP's gradient
+    buckets in MiB (torch's default, 25, in every yaml). Each bucket is all-reduced, or handed
+    to the comm hook, as soon as the backward pass has filled it: smaller buckets overlap more of
+    the exchange with the backward, larger ones make fewer, larger calls, and let PowerSGD's hook
+    batch the matrices of one shape that a bucket holds (OLMo-300M at 25 MiB: 33 buckets, no two
+    matrices of one shape in any)."""
+
+    bucket_cap_mb: float
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if not self.bucket_cap_mb > 0:
+            errors.append(f"bucket_cap_mb must be > 0 (MiB of gradients per DDP bucket), got {self.bucket_cap_mb}")
+        return errors
+
+
 class DDPStrategy(Strategy):
     """Base for strategies that all-reduce gradients every step; subclasses pick the optimizer
     (``make_optimizer``) and may replace the hook (``register_hook``)."""
 
-    bucket_cap_mb: float = 25.0
+    cfg: DDPConfig
 
     @classmethod
-    def comm_overlap(cls, cfg, parameters: int, compression=None) -> float:  # noqa: ARG003
+    def comm_overlap(cls, cfg: DDPConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
         """DDP all-reduces each bucket of ``bucket_cap_mb`` MiB of fp32 gradients as soon as the
         backward pass has filled it, so the traffic of every bucket but the last can hide behind
         the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token): 2/3 x
         (buckets - 1) / buckets. A model whose gradients fit one bucket (the tiny one) overlaps
-        nothing; OLMo-300M's 49 buckets, 0.65."""
-        buckets = max(1, math.ceil(4 * parameters / (cls.bucket_cap_mb * 2**20)))
+        nothing; OLMo-300M's 49 buckets at 25 MiB, 0.65."""
+        buckets = max(1, math.ceil(4 * parameters / (cfg.bucket_cap_mb * 2**20)))
         return 2 / 3 * (buckets - 1) / buckets
 
     def build(self, model: torch.nn.Module):
         device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
         ddp = DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, init_sync=False,
+            model, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_cap_mb, init_sync=False,
             gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
         )
         self.register_hook(ddp)

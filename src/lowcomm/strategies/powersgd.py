@@ -24,12 +24,11 @@ from lowcomm.strategies.base import (
     Display,
     Point,
     Row,
-    StrategyConfig,
     parameter_bytes,
     register,
     trainable_parameters,
 )
-from lowcomm.strategies.ddp import DDPStrategy, dense_gradient_bytes, metered_allreduce_hook
+from lowcomm.strategies.ddp import DDPConfig, DDPStrategy, dense_gradient_bytes, metered_allreduce_hook
 
 
 def powersgd_hook(
@@ -49,7 +48,7 @@ def powersgd_hook(
 
 
 @dataclass(kw_only=True)
-class PowerSGDConfig(StrategyConfig, AdamWArgs, PowerSGDArgs):
+class PowerSGDConfig(DDPConfig, AdamWArgs, PowerSGDArgs):
     """``configs/optimizer/powersgd.yaml``: AdamW on the PowerSGD-averaged gradient; the other
     fields are ``PowerSGDState``'s (defaults: the DeMo paper's rank 32 and 1000 warm-up steps).
     P, Q and the uncompressed tensors travel in the gradients' dtype."""
