@@ -58,8 +58,9 @@ def _reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
 
 
-def _bare_loop(run, data, steps: int, device: torch.device) -> float:
-    """Plain DDP + AdamW over the same batches; returns tokens/s."""
+def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float) -> float:
+    """Plain DDP (buckets of ``bucket_cap_mb`` MiB, the measured run's when it sets them) + AdamW
+    over the same batches; returns tokens/s."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lowcomm.data import BatchOrder
@@ -67,7 +68,7 @@ def _bare_loop(run, data, steps: int, device: torch.device) -> float:
 
     train = run.train
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = DistributedDataParallel(build_model(run.model, device, seed=run.seed),
+    model = DistributedDataParallel(build_model(run.model, device, seed=run.seed), bucket_cap_mb=bucket_cap_mb,
                                     device_ids=[device.index] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     cfg = run.optimizer
@@ -149,7 +150,8 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
     bare, ours, bare_memory, our_memory = [], [], [], []
     for _ in range(repeats):
         _reset_peak_memory(device)
-        bare.append(_bare_loop(baseline, data, steps, device))
+        bare.append(_bare_loop(baseline, data, steps, device,
+                               getattr(run.optimizer, "bucket_cap_mb", baseline.optimizer.bucket_cap_mb)))
         bare_memory.append(_peak_memory_mb(device))
         if rank == 0:
             shutil.rmtree(run.run_dir, ignore_errors=True)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from lowcomm.config import ConfigError
+from lowcomm.config import ConfigError, validate
 from lowcomm.config.naming import changed_keys, derive_run_name, what_is_trained
 from lowcomm.strategies import STRATEGIES
 from runs import tiny_run
@@ -137,7 +137,35 @@ def test_ddp_bucket_size_is_a_checked_setting_that_keeps_earlier_names(tmp_path,
     assert derive_run_name(before, 2) == at_default.run_name
     larger = tiny_run(tmp_path, f"optimizer={optimizer}", "optimizer.bucket_cap_mb=100")
     assert larger.run_name != at_default.run_name
-    assert "optimizer.bucket_cap_mb must be > 0" in _error(tmp_path, f"optimizer={optimizer}", "optimizer.bucket_cap_mb=0")
+    for bad in ("0", "inf"):
+        assert f"optimizer.bucket_cap_mb must be a finite number > 0 (MiB of gradients per DDP bucket), got {float(bad)}" \
+            in _error(tmp_path, f"optimizer={optimizer}", f"optimizer.bucket_cap_mb={bad}")
+    # the wall-clock model's overlap reads it: OLMo-300M's 1.28 GB in 49 buckets of 25 MiB, 13 of 100
+    strategy = STRATEGIES[optimizer]
+    assert strategy.comm_overlap(at_default.optimizer, 319_946_752) == pytest.approx(2 / 3 * 48 / 49)
+    assert strategy.comm_overlap(larger.optimizer, 319_946_752) == pytest.approx(2 / 3 * 12 / 13)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_ddp", "muon_ddp", "powersgd"])
+def test_a_ddp_run_config_saved_before_the_bucket_setting_loads_with_the_size_it_trained_with(tmp_path, optimizer):
+    """A requeued job or lowcomm-wallclock reads a config.yaml written before
+    optimizer.bucket_cap_mb existed: it validates, with the 25 MiB such a run used, under its name."""
+    from omegaconf import OmegaConf
+
+    from lowcomm.config import load_run_config
+
+    run = tiny_run(tmp_path, f"optimizer={optimizer}")
+    raw = copy.deepcopy(run.raw)
+    del raw["optimizer"]["bucket_cap_mb"]
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(OmegaConf.create(raw), path)
+    upgraded = validate(load_run_config(path))
+    assert upgraded.optimizer.bucket_cap_mb == 25 and upgraded.run_name == run.run_name
+
+
+def test_a_bad_cpu_kernel_switch_is_refused_before_anything_is_spawned(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWCOMM_CPU_KERNELS", "maybe")
+    assert "LOWCOMM_CPU_KERNELS='maybe': set it to 1" in _error(tmp_path)
 
 
 def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_path):

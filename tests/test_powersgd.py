@@ -272,9 +272,9 @@ def test_the_ddp_hook_averages_exactly_at_full_rank(bucket_cap_mb):
             for result in results:
                 torch.testing.assert_close(result["steps"][step]["ddp"][name], mean, rtol=1e-4, atol=1e-6)
     assert [result["iteration"] for result in results] == [2, 2]
-    # DDP's first step runs one bucket per parameter; its buckets of the config's size thereafter
-    # the hook's calls: DDP's first step is one bucket (torch sizes its first bucket 1 MiB); then
-    # buckets of the config's size: each closes with the parameter that brings it to the cap
+    # the hook's calls: DDP's first step is one bucket of every parameter (its initial assignment
+    # when no parameter may go unused); after it rebuilds them in the order the gradients came,
+    # buckets of the config's size, each closed by the parameter that brings it to the cap
     cap = bucket_cap_mb * 2**20
     for result in results:
         first, *buckets = result["hook_calls"]

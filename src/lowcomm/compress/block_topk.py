@@ -20,8 +20,7 @@ above ``v`` is a candidate. If ``m = v``, each chosen group holds an entry at le
 candidates are at least ``v``. The candidates' top-k therefore has the same magnitudes as the
 block's. Only among equal magnitudes at the k-th place may it pick other entries than
 ``torch.topk`` (which leaves that choice unspecified too, and makes it differently on CPU and
-CUDA); with distinct magnitudes it picks the same set. The order of the k entries within a
-block is unspecified, as with ``torch.topk(sorted=False)``.
+CUDA); with distinct magnitudes it picks the same set.
 
 The rounds pay when ``k g`` is well below the block's size; otherwise (and for blocks one row
 high, whose groups would be single entries) it is ``torch.topk`` on the gathered blocks.
@@ -29,9 +28,11 @@ high, whose groups would be single entries) it is ``torch.topk`` on the gathered
 **On the CPU** the same selection runs as one C++ kernel (:mod:`lowcomm.compress.cpu_kernels`:
 one pass along memory, one selection per block while it sits in cache; 90 ms against 280 for
 the rounds above on 117M parameters), when it is built; the rounds are the path on every other
-device and without it. Both return each block's entries in ascending block-local index, so the
-payloads (and every sum over them: the ``sign`` wire's mean magnitude, SparseLoCo's code
-tables) are the same on either path and device.
+device and without it. Both return each block's entries in ascending block-local index, so
+where the magnitudes are distinct the payloads, and every sum over them (the ``sign`` wire's
+mean magnitude, SparseLoCo's code tables), are the same on either path. At a tie for the k-th
+place (exact ties are rare in float32, common in bf16) the kernel keeps the lower index and the
+rounds either one.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def block_topk(
     when omitted."""
     matrix = matrix.view(layout.rows, layout.cols)
     kernels = cpu_kernels.ops() if matrix.device.type == "cpu" else None
-    if kernels is not None:
-        return kernels.block_topk(matrix, layout.chunk_rows, layout.chunk_cols, k, kernel_group_rows(layout, k))
+    if kernels is not None:  # (a view with strides is copied: the kernel reads rows along memory)
+        return kernels.block_topk(matrix.contiguous(), layout.chunk_rows, layout.chunk_cols, k,
+                                  kernel_group_rows(layout, k))
     index, positions = _rounds(matrix, layout, k, scratch)
     # ascending within each block, as the kernel returns them (torch.topk's order is unspecified)
     index, order = index.sort(dim=1)

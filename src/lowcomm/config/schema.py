@@ -179,6 +179,8 @@ def load_run_config(path: str | Path) -> DictConfig:
       quantizer kept and the key is gone (``symmetric`` has no equivalent now and is reported).
     - ``cluster.collective_timeout_s``: 1800, torch's default process-group timeout on gloo, which
       every group of such a run had (lowcomm set none).
+    - ``optimizer.bucket_cap_mb`` (AdamW-DDP, Muon-DDP, PowerSGD): 25, the DDP bucket size lowcomm
+      passed before it was a setting.
     """
     cfg = OmegaConf.load(path)
     cluster = cfg.get("cluster")
@@ -190,6 +192,8 @@ def load_run_config(path: str | Path) -> DictConfig:
     name = optimizer.get("name")
     if name in ("diloco", "muloco", "streaming_diloco") and "exchange" not in optimizer:
         optimizer["exchange"] = "all_gather"
+    if name in ("adamw_ddp", "muon_ddp", "powersgd") and "bucket_cap_mb" not in optimizer:
+        optimizer["bucket_cap_mb"] = 25
     if name == "sparseloco":
         if optimizer.get("wire") == "paper":
             optimizer["wire"] = "reference"

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from lowcomm.compress import CODECS, build_codec, codec_config_errors
+from lowcomm.compress import CODECS, build_codec, codec_config_errors, cpu_kernels
 from lowcomm.config.cluster import cluster_errors, collective_timeout_errors, normalised
 from lowcomm.config.naming import derive_run_name
 from lowcomm.config.schema import (
@@ -175,6 +175,10 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
     if errors:
         raise ConfigError(errors)
     errors += unknown_keys(raw)
+    try:  # read by every worker's first top-k on a CPU: a bad value is refused here, before spawn
+        cpu_kernels.enabled()
+    except ValueError as error:
+        errors.append(str(error))
 
     model = _typed(ModelSpec, raw["model"], "model", errors)
     train = _typed(TrainSpec, raw["train"], "train", errors)

@@ -58,18 +58,19 @@ _NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
 @dataclass(kw_only=True)
 class DDPConfig(StrategyConfig):
     """The fields of every DDP method's config. ``bucket_cap_mb``: the size of DDP's gradient
-    buckets in MiB (torch's default, 25, in every yaml). Each bucket is all-reduced, or handed
-    to the comm hook, as soon as the backward pass has filled it: smaller buckets overlap more of
-    the exchange with the backward, larger ones make fewer, larger calls, and let PowerSGD's hook
-    batch the matrices of one shape that a bucket holds (OLMo-300M at 25 MiB: 33 buckets, no two
-    matrices of one shape in any)."""
+    buckets in MiB (25 in every yaml: the size lowcomm always passed, and the one torch documents
+    as its default). Each bucket is all-reduced, or handed to the comm hook, as soon as the
+    backward pass has filled it: smaller buckets overlap more of the exchange with the backward,
+    larger ones make fewer, larger calls and let PowerSGD's hook batch the matrices of one shape
+    that a bucket holds (at 25 MiB no bucket of OLMo-300M holds two)."""
 
     bucket_cap_mb: float
 
     def errors(self) -> list[str]:
         errors = super().errors()
-        if not self.bucket_cap_mb > 0:
-            errors.append(f"bucket_cap_mb must be > 0 (MiB of gradients per DDP bucket), got {self.bucket_cap_mb}")
+        if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
+            errors.append(f"bucket_cap_mb must be a finite number > 0 (MiB of gradients per DDP bucket), "
+                          f"got {self.bucket_cap_mb}")
         return errors
 
 
@@ -85,7 +86,8 @@ class DDPStrategy(Strategy):
         backward pass has filled it, so the traffic of every bucket but the last can hide behind
         the backward, about 2/3 of a step's FLOPs (forward 2N, backward 4N per token): 2/3 x
         (buckets - 1) / buckets. A model whose gradients fit one bucket (the tiny one) overlaps
-        nothing; OLMo-300M's 49 buckets at 25 MiB, 0.65."""
+        nothing; OLMo-300M's 1.28 GB in 49 buckets of 25 MiB, 0.65 (a model of the bucket count:
+        DDP never splits a parameter, so its buckets are a few fewer and fuller)."""
         buckets = max(1, math.ceil(4 * parameters / (cfg.bucket_cap_mb * 2**20)))
         return 2 / 3 * (buckets - 1) / buckets
 
