@@ -34,21 +34,24 @@ import time
 
 import torch
 
+# in the order names are matched: a collective's name holds "gather", so communication comes first
 KINDS = {
+    "communication": ("gloo", "nccl", "c10d", "all_gather", "all_reduce", "broadcast", "allgather", "allreduce"),
     "matmul": ("mm", "bmm", "addmm", "matmul", "linalg", "baddbmm", "einsum", "addbmm"),
     "top-k/sort": ("topk", "sort", "kthvalue"),
     "scatter/gather": ("scatter", "gather", "index", "take", "masked"),
-    "communication": ("gloo", "nccl", "c10d", "all_gather", "all_reduce", "broadcast", "allgather", "allreduce"),
     "copy/cast": ("copy", "_to_copy", "clone", "cat", "stack", "contiguous", "empty", "zero", "fill"),
 }
-ORDER = (*KINDS, "elementwise")
+ORDER = ("matmul", "top-k/sort", "scatter/gather", "communication", "copy/cast", "elementwise")  # the table's
 
 
 def kind_of(op_name: str) -> str:
-    """The kind of an aten operator (or a collective's profiler range) by its name."""
-    name = op_name.lower().removeprefix("aten::")
+    """The kind of an operator (``aten::mm``, ``lowcomm::block_topk``, ``c10d::allreduce_``) or a
+    profiler range (``DeMo.topk``) by its name: the words of the name after its namespace (so
+    that ``lowcomm::`` does not read as a matmul), or the namespace itself (``c10d``)."""
+    namespace, _, name = op_name.lower().rpartition("::")
     for kind, keys in KINDS.items():
-        if any(key in name for key in keys):
+        if namespace in keys or any(key in name for key in keys):
             return kind
     return "elementwise"
 
