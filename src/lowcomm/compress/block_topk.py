@@ -26,7 +26,7 @@ The rounds pay when ``k g`` is well below the block's size; otherwise (and for b
 high, whose groups would be single entries) it is ``torch.topk`` on the gathered blocks.
 
 **On the CPU** the same selection runs as one C++ kernel (:mod:`lowcomm.compress.cpu_kernels`:
-one pass along memory, one selection per block while it sits in cache; 90 ms against 280 for
+one pass along memory, one selection per block while it sits in cache; 80 ms against 280-360 for
 the rounds above on 117M parameters), when it is built; the rounds are the path on every other
 device and without it. Both return each block's entries in ascending block-local index, so
 where the magnitudes are distinct the payloads, and every sum over them (the ``sign`` wire's

@@ -3,7 +3,7 @@
 Where torch's operators need several passes over a large tensor for what one pass can do, a
 C++ kernel does it on the CPU: today the per-block top-k of DeMo's and SparseLoCo's
 selection (:func:`lowcomm.compress.block_topk.block_topk`), which on OLMo-300M's 117M
-block-matrix parameters takes about 90 ms against 290-380 for the two-round torch selection
+block-matrix parameters takes about 80 ms against 280-360 for the two-round torch selection
 (``benchmarks/demo_step.py``). Every kernel has a torch path, taken on other devices and
 whenever the kernels are not there, tested against it (for the top-k: the same entries in the
 same order wherever the magnitudes are distinct).
