@@ -4,8 +4,8 @@
     lowcomm-build-kernels --require     # exit 1 if they cannot be built (a machine that must have them)
 
 They are otherwise compiled in the first step that needs one, once per machine (about 15 s);
-``make venv`` runs this. A failed build is a warning, not an error: the torch paths give the same
-results, more slowly. ``LOWCOMM_CPU_KERNELS=0`` turns the kernels off. What they are, where they
+``make venv`` runs this. A failed build is a warning, not an error: the torch paths run instead, more
+slowly, with the same results wherever the magnitudes are distinct. ``LOWCOMM_CPU_KERNELS=0`` turns the kernels off. What they are, where they
 are built and why per CPU: :mod:`lowcomm.compress.cpu_kernels`.
 """
 

@@ -10,9 +10,10 @@ from typing import Any
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
               "divergence_factor", "compile")
-# keys added after runs were named, per config group: at these values they leave the name as it
-# was, so a run started before they existed still finds its checkpoints
-_ADDED_LATER = {"train": {"param_dtype": "fp32"}, "optimizer": {"bucket_cap_mb": 25}}
+# keys added after runs were named, per config group, with what every run before them did: at
+# these values they leave the name as it was, so a run started before they existed still finds its
+# checkpoints (and load_run_config fills them in for a config saved before them)
+ADDED_LATER = {"train": {"param_dtype": "fp32"}, "optimizer": {"bucket_cap_mb": 25}}
 
 
 def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
     """``<model>-<optimizer>[-<compression>]-w<W>-<hash>``: deterministic, so a requeued job
     finds its own checkpoints, and a different config never shares a directory."""
     semantic = what_is_trained(raw)
-    for group, added in _ADDED_LATER.items():  # (comparisons see these keys; only the name leaves them out)
+    for group, added in ADDED_LATER.items():  # (comparisons see these keys; only the name leaves them out)
         if isinstance(semantic.get(group), dict):
             semantic[group] = {k: v for k, v in semantic[group].items() if k not in added or v != added[k]}
     semantic["world_size"] = world_size

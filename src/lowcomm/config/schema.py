@@ -10,9 +10,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lowcomm.config.naming import ADDED_LATER
 from lowcomm.hardware import RANK_WRITE_MBPS
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
+from lowcomm.strategies.ddp import DDPConfig
 
 
 class ConfigError(ValueError):
@@ -179,8 +181,8 @@ def load_run_config(path: str | Path) -> DictConfig:
       quantizer kept and the key is gone (``symmetric`` has no equivalent now and is reported).
     - ``cluster.collective_timeout_s``: 1800, torch's default process-group timeout on gloo, which
       every group of such a run had (lowcomm set none).
-    - ``optimizer.bucket_cap_mb`` (AdamW-DDP, Muon-DDP, PowerSGD): 25, the DDP bucket size lowcomm
-      passed before it was a setting.
+    - ``optimizer.bucket_cap_mb`` (every DDP method: AdamW-DDP, Muon-DDP, PowerSGD): 25, the DDP
+      bucket size lowcomm passed before it was a setting.
     """
     cfg = OmegaConf.load(path)
     cluster = cfg.get("cluster")
@@ -192,8 +194,9 @@ def load_run_config(path: str | Path) -> DictConfig:
     name = optimizer.get("name")
     if name in ("diloco", "muloco", "streaming_diloco") and "exchange" not in optimizer:
         optimizer["exchange"] = "all_gather"
-    if name in ("adamw_ddp", "muon_ddp", "powersgd") and "bucket_cap_mb" not in optimizer:
-        optimizer["bucket_cap_mb"] = 25
+    strategy = STRATEGIES.get(name)
+    if strategy is not None and issubclass(strategy.Config, DDPConfig) and "bucket_cap_mb" not in optimizer:
+        optimizer["bucket_cap_mb"] = ADDED_LATER["optimizer"]["bucket_cap_mb"]
     if name == "sparseloco":
         if optimizer.get("wire") == "paper":
             optimizer["wire"] = "reference"
