@@ -149,11 +149,13 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     results = {}
-    for name in names:
+    began = time.perf_counter()
+    for number, name in enumerate(names, 1):
         try:
             model, optimizer, grads, steps = _setup(name, blocks, device)
         except Exception as exc:  # noqa: BLE001 - a method that cannot run at W=1 is reported, not fatal
             results[name] = {"error": " ".join(str(exc).split())[:300]}
+            print(f"[step_cost] {number}/{len(names)} {name}: cannot run at W=1", flush=True)
             continue
         bucket = _bucket(model, grads)
         for _ in range(steps):  # warm-up cycle: state allocated, kernels chosen
@@ -178,6 +180,11 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
         results[name] = {"mean_s": statistics.fmean(times), "slowest_s": max(times), "steps": steps,
                          "phases": {kind: seconds / total for kind, seconds in kinds.items()},
                          "parameters": sum(p.numel() for p in model.parameters())}
+        # each row as soon as it is measured: a run cut short (a time limit) still says what it measured
+        baseline = results[names[0]].get("mean_s")
+        ratio = f", {results[name]['mean_s'] / baseline:.2f}x {names[0]}" if baseline else ""
+        print(f"[step_cost] {number}/{len(names)} {name}: {results[name]['mean_s']:.4f} s/step{ratio} "
+              f"({time.perf_counter() - began:.0f} s so far)", flush=True)
         del model, optimizer, grads, bucket
         if device.type == "cuda":
             torch.cuda.empty_cache()

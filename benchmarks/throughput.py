@@ -2,7 +2,8 @@
 
 Same model (tiny OLMo by default), same global batch, micro-batches and sequence length, same
 workers (gloo on CPU, NCCL with ``--device cuda``, one GPU per worker), same data files, same
-AdamW, clipping and LR schedule. Both loops run in the same worker processes, alternating, and
+AdamW, clipping and LR schedule, same weight dtype and compilation (``train.param_dtype``,
+``train.compile``: on a GPU by default). Both loops run in the same worker processes, alternating, and
 the best of ``--repeats`` windows of each is compared, so the ratio is measured in one run. The
 bare loop is always AdamW-DDP: with another lowcomm optimizer (``optimizer=demo``) the ratio is
 that optimizer's whole-step cost against the baseline's:
@@ -60,15 +61,21 @@ def _reset_peak_memory(device: torch.device) -> None:
 
 def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float) -> float:
     """Plain DDP (buckets of ``bucket_cap_mb`` MiB, the measured run's when it sets them) + AdamW
-    over the same batches; returns tokens/s."""
+    over the same batches, with the run's weight dtype and compilation; returns tokens/s."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lowcomm.data import BatchOrder
     from lowcomm.models import build_model
+    from lowcomm.train.loop import compiles
 
     train = run.train
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = DistributedDataParallel(build_model(run.model, device, seed=run.seed), bucket_cap_mb=bucket_cap_mb,
+    model = build_model(run.model, device, seed=run.seed)
+    if train.param_dtype == "bf16":  # the run's speed settings, as the Trainer applies them
+        model = model.to(torch.bfloat16)
+    if compiles(train.compile, device):
+        model.compile()
+    model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                     device_ids=[device.index] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     cfg = run.optimizer

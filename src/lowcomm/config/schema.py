@@ -41,9 +41,10 @@ class TrainSpec:
     # The weights' (and so the gradients' and optimizer state's) dtype: fp32 | bf16.
     param_dtype: str = "fp32"
     # torch.compile the model (nn.Module.compile: in place, the checkpoint keys unchanged):
-    # true | false | auto (on GPU only: on a 2-core CPU the tiny model's first step compiles
-    # for 23 s and each later one saves 4 ms). Off until measured on a GPU.
-    compile: Any = False
+    # true | false | auto (on GPU only: OLMo-300M at W=1 on an H200 ran at 1.41x the eager
+    # tokens/s with AdamW-DDP and 1.47x with DeMo; on a 2-core CPU the tiny model's first step
+    # compiles for 23 s and each later one saves 4 ms).
+    compile: Any = "auto"
     eval_every: int = 50
     eval_instances: int = 256
     log_every: int = 10
