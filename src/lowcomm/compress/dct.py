@@ -106,15 +106,24 @@ class BlockLayout:
         (row-major within block i; blocks numbered row-major), plus ``start`` (where the
         tensor begins in a larger buffer). ``block_index`` may have leading dimensions (one
         per worker) before its ``(num_blocks, k)``."""
-        device = block_index.device
-        # block origins and in-block offsets are small tables; the large index tensor meets
-        # one gather and one add (no integer division on it)
-        origin_rows = torch.arange(self.blocks_rows, device=device) * (self.chunk_rows * self.cols) + start
-        origin_cols = torch.arange(self.blocks_cols, device=device) * self.chunk_cols
-        origin = (origin_rows.unsqueeze(1) + origin_cols).view(-1, 1)
-        within = torch.arange(self.block_numel, device=device)
-        offset = (within // self.chunk_cols) * self.cols + within % self.chunk_cols
-        return origin + offset.take(block_index)
+        origin, offset = _index_tables(self, block_index.device)
+        # the large index tensor meets one gather and one add (no integer division on it)
+        positions = origin + offset.take(block_index)
+        return positions.add_(start) if start else positions
+
+
+@functools.lru_cache(maxsize=64)
+def _index_tables(layout: BlockLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`BlockLayout.global_index`'s small tables, built once per layout and device (a
+    step asks for them once per parameter stack, and on a GPU each build is eight kernel launches):
+    each block's first flat position, ``(num_blocks, 1)``, and each in-block offset's distance
+    from it, ``(block_numel,)``. Read-only."""
+    origin_rows = torch.arange(layout.blocks_rows, device=device) * (layout.chunk_rows * layout.cols)
+    origin_cols = torch.arange(layout.blocks_cols, device=device) * layout.chunk_cols
+    origin = (origin_rows.unsqueeze(1) + origin_cols).view(-1, 1)
+    within = torch.arange(layout.block_numel, device=device)
+    offset = (within // layout.chunk_cols) * layout.cols + within % layout.chunk_cols
+    return origin, offset
 
 
 @functools.lru_cache(maxsize=64)
