@@ -155,7 +155,8 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
             model, optimizer, grads, steps = _setup(name, blocks, device)
         except Exception as exc:  # noqa: BLE001 - a method that cannot run at W=1 is reported, not fatal
             results[name] = {"error": " ".join(str(exc).split())[:300]}
-            print(f"[step_cost] {number}/{len(names)} {name}: cannot run at W=1", flush=True)
+            print(f"[step_cost] {number}/{len(names)} {name}: cannot run at W=1: {results[name]['error'][:120]}",
+                  flush=True)
             continue
         bucket = _bucket(model, grads)
         for _ in range(steps):  # warm-up cycle: state allocated, kernels chosen

@@ -77,9 +77,10 @@ def training_runs(steps: int, repeats: int, bucket_numel: int | None, overrides:
             print(f"[targets] OLMo-300M, {name}: {repeats} x 2 windows of {steps} steps", flush=True)
             result = results[name] = throughput.measure(1, steps, repeats, device,
                                                         [f"optimizer={name}", *common, *extra])
+            mfu = "" if result["mfu_6n"] is None else (
+                f", MFU 6N {result['mfu_6n']:.1%}, OLMo-core {result['mfu_olmo_core']:.1%}")
             print(f"[targets] OLMo-300M, {name}: {result['lowcomm']:,.0f} tokens/s (bare DDP + AdamW "
-                  f"{result['bare']:,.0f}), MFU 6N {result['mfu_6n']:.1%}, OLMo-core {result['mfu_olmo_core']:.1%}",
-                  flush=True)
+                  f"{result['bare']:,.0f}){mfu}", flush=True)
     return results
 
 

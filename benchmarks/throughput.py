@@ -2,8 +2,9 @@
 
 Same model (tiny OLMo by default), same global batch, micro-batches and sequence length, same
 workers (gloo on CPU, NCCL with ``--device cuda``, one GPU per worker), same data files, same
-AdamW, clipping and LR schedule, same weight dtype and compilation (``train.param_dtype``,
-``train.compile``: on a GPU by default). Both loops run in the same worker processes, alternating, and
+AdamW hyperparameters (torch's AdamW, fused on a GPU as lowcomm's, in one parameter group),
+clipping, LR schedule, precision, weight dtype and compilation (``train.precision``,
+``train.param_dtype``, ``train.compile``). Both loops run in the same worker processes, alternating, and
 the best of ``--repeats`` windows of each is compared, so the ratio is measured in one run. The
 bare loop is always AdamW-DDP: with another lowcomm optimizer (``optimizer=demo``) the ratio is
 that optimizer's whole-step cost against the baseline's:
@@ -77,10 +78,11 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
         model.compile()
     model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                     device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and train.precision in ("auto", "bf16") else contextlib.nullcontext())
     cfg = run.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)
     order = BatchOrder(len(data.train), train.global_batch_size, rank, world, train.micro_batch_size, run.seed)
 
     def lr_at(step):
@@ -100,7 +102,8 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
                 logits = model(tokens[:, :-1]).logits
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
                 (loss / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+        if train.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

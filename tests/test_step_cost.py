@@ -45,4 +45,4 @@ def test_each_method_is_reported_as_soon_as_it_is_measured(capfd):
     assert int(progress[1][4]) >= int(progress[0][4])  # seconds since the worker began, not since a step
     table = out.index("| method |")
     assert all(out.index(f"[step_cost] {n}/2") < table for n in (1, 2))
-    assert re.search(rf"^\| demo \| 1 \| {progress[1][2]} \|", out, re.MULTILINE)
+    assert re.search(rf"^\| demo \| 1 \| {re.escape(progress[1][2])} \|", out, re.MULTILINE)
