@@ -184,41 +184,51 @@ def block_transform(
     together: the first product is taken part by part, the second once for all of them.
     """
     parts = [matrix] if isinstance(matrix, torch.Tensor) else list(matrix)
-    parts = [part.reshape(-1, layout.cols) for part in parts]
     if out is None:
         out = parts[0].new_empty(layout.rows, layout.cols)
-    out = out.view(layout.rows, layout.cols)
+    # Each part's rows, and each part and target seen as (rows * blocks_cols, chunk_cols): one
+    # view per part and target, and one transposed basis per call (a step transforms every
+    # parameter, and on a GPU each Python-level operator costs host time).
     rows_view = (-1, layout.chunk_cols)
+    spans = _row_spans(parts, layout)
+    right_t = None if right is None else (right if inverse else right.T)
     if left is None:  # one product (or scaled copy) per part, straight into its rows of ``out``
-        row = 0
-        for part in parts:
-            target = out[row : row + part.shape[0]]
-            row += part.shape[0]
-            if right is None:
+        out_rows = out.view(rows_view)
+        for part, (start, stop) in zip(parts, spans, strict=True):
+            target, source = out_rows[start:stop], part.reshape(rows_view)
+            if right_t is None:
                 if beta:
-                    target.mul_(beta).add_(part, alpha=alpha)
+                    target.mul_(beta).add_(source, alpha=alpha)
                 else:
-                    torch.mul(part, alpha, out=target)
+                    torch.mul(source, alpha, out=target)
             else:
                 # one (rows * blocks_cols, chunk_cols) x (chunk_cols, chunk_cols) product
-                target.view(rows_view).addmm_(part.view(rows_view), right if inverse else right.T,
-                                              beta=beta, alpha=alpha)
-        return out
-    if right is not None or len(parts) > 1:
-        stacked = (scratch if scratch is not None else torch.empty_like(out)).view(layout.rows, layout.cols)
-        row = 0
-        for part in parts:
-            target = stacked[row : row + part.shape[0]]
-            row += part.shape[0]
-            if right is None:
-                target.copy_(part)
+                target.addmm_(source, right_t, beta=beta, alpha=alpha)
+        return out.view(layout.rows, layout.cols)
+    if right_t is not None or len(parts) > 1:
+        stacked = scratch if scratch is not None else torch.empty_like(out)
+        stacked_rows = stacked.view(rows_view)
+        for part, (start, stop) in zip(parts, spans, strict=True):
+            if right_t is None:
+                stacked_rows[start:stop].copy_(part.reshape(rows_view))
             else:
-                torch.mm(part.view(rows_view), right if inverse else right.T, out=target.view(rows_view))
+                torch.mm(part.reshape(rows_view), right_t, out=stacked_rows[start:stop])
         matrix = stacked
     else:
         matrix = parts[0]
     # chunk_rows x chunk_rows times each of the blocks_rows slabs of chunk_rows x cols
     slabs = (layout.blocks_rows, layout.chunk_rows, layout.cols)
     basis = (left.T if inverse else left).expand(layout.blocks_rows, -1, -1)
-    out.view(slabs).baddbmm_(basis, matrix.view(slabs), beta=beta, alpha=alpha)
-    return out
+    out.view(slabs).baddbmm_(basis, matrix.reshape(slabs), beta=beta, alpha=alpha)
+    return out.view(layout.rows, layout.cols)
+
+
+def _row_spans(parts: Sequence[torch.Tensor], layout: BlockLayout) -> list[tuple[int, int]]:
+    """Where each part lies in the ``(rows * blocks_cols, chunk_cols)`` view of the stacked
+    matrix: ``[start, stop)`` in its rows."""
+    spans, start = [], 0
+    for part in parts:
+        stop = start + part.numel() // layout.chunk_cols
+        spans.append((start, stop))
+        start = stop
+    return spans
