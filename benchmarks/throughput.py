@@ -24,7 +24,6 @@ the H100's; none on CPU), with FLOPs per token counted both ways the field does
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 import tempfile
@@ -67,19 +66,13 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
 
     from lowcomm.data import BatchOrder
     from lowcomm.models import build_model
-    from lowcomm.train.loop import compiles
+    from lowcomm.train.loop import with_speed_settings
 
     train = run.train
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = build_model(run.model, device, seed=run.seed)
-    if train.param_dtype == "bf16":  # the run's speed settings, as the Trainer applies them
-        model = model.to(torch.bfloat16)
-    if compiles(train.compile, device):
-        model.compile()
+    model, autocast = with_speed_settings(build_model(run.model, device, seed=run.seed), train, device)
     model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                     device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                if device.type == "cuda" and train.precision in ("auto", "bf16") else contextlib.nullcontext())
     cfg = run.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)

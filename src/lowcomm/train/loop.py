@@ -124,6 +124,19 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
+def with_speed_settings(model: torch.nn.Module, train, device: torch.device):
+    """The model in ``train.param_dtype`` and compiled as ``train.compile`` says, and the autocast
+    context ``train.precision`` asks for (bf16 on a GPU, none on the CPU): what the Trainer and
+    ``benchmarks/throughput.py``'s bare loop both run."""
+    if train.param_dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    if compiles(train.compile, device):
+        model.compile()  # in place: the state dict's keys, and so the checkpoints, are unchanged
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and train.precision in ("auto", "bf16") else contextlib.nullcontext())
+    return model, autocast
+
+
 def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     logits = model(tokens[:, :-1]).logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1),
@@ -149,17 +162,9 @@ class Trainer:
     def _build(self) -> None:
         run = self.run
         train = run.train
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.device.type == "cuda" and train.precision in ("auto", "bf16")
-            else contextlib.nullcontext()
-        )
         self.data = open_data(run.data, train.seq_len, run.run_root, run.model.tokenizer)
-        model = build_model(run.model, self.device, seed=run.seed)
-        if train.param_dtype == "bf16":
-            model = model.to(torch.bfloat16)
-        if compiles(train.compile, self.device):
-            model.compile()  # in place: the state dict's keys, and so the checkpoints, are unchanged
+        model, self.autocast = with_speed_settings(build_model(run.model, self.device, seed=run.seed), train,
+                                                   self.device)
         self.n_params = count_parameters(model)
         self.strategy = run.strategy_class(run.optimizer, run.compression, self.comm)
         self.model, self.optimizer = self.strategy.build(model)
