@@ -50,6 +50,13 @@ def quickstart_points() -> dict[str, list[str]]:
             for job in sweep.jobs}
 
 
+def at_world_size_one(overrides: list[str]) -> list[str]:
+    """A quickstart point's overrides for one worker: FlexDeMo's sharding group becomes that one
+    rank (a real group of one; its 2x2 setting needs four)."""
+    kept = [o for o in overrides if not o.startswith("optimizer.shard_group_size")]
+    return kept + (["optimizer.shard_group_size=1"] if kept[0] == "optimizer=flexdemo" else [])
+
+
 def point_id(point: str) -> str:
     return point.split("|")[1].split("=", 1)[1]
 

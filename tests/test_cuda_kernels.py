@@ -17,7 +17,7 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.launch.local import launch_local
 from lowcomm.rundir import RunDir
 from lowcomm.train.metrics import read_metrics
-from runs import point_id, quickstart_points, tiny_run
+from runs import at_world_size_one, point_id, quickstart_points, tiny_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 QUICKSTART = quickstart_points()
@@ -153,9 +153,7 @@ def test_every_optimizer_trains_compiled_as_it_trains_eager_on_a_gpu(tmp_path, p
     the run finishes and its losses are the eager run's within bf16 autocast's rounding. Until
     this has passed on a GPU, train.compile stays off by default. (On the CPU, with
     cluster.device=cpu, AdamW-DDP and FlexDeMo passed it in 37 and 57 s.)"""
-    overrides = [o for o in QUICKSTART[point] if not o.startswith("optimizer.shard_group_size")]
-    if overrides[0] == "optimizer=flexdemo":
-        overrides.append("optimizer.shard_group_size=1")
+    overrides = at_world_size_one(QUICKSTART[point])
     losses = {}
     for setting in ("false", "true"):
         run = tiny_run(tmp_path / setting, *overrides, "cluster.device=cuda", f"train.compile={setting}",

@@ -27,7 +27,7 @@ from lowcomm.rundir import RunDir
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.loop import DeviceClock, Trainer, next_token_loss, pick_device, validation_batches
-from runs import point_id, quickstart_points, tiny_run
+from runs import at_world_size_one, point_id, quickstart_points, tiny_run
 
 CUDA_ONLY = "cuda:gloo"  # like "nccl": the group's only backend is registered for cuda
 QUICKSTART = quickstart_points()
@@ -240,10 +240,7 @@ def test_every_optimizer_trains_at_world_size_one(tmp_path, point):
     its validation there; FlexDeMo's sharding group of one rank is a real group (FSDP's device mesh is
     built from it; it was None before, and FlexDeMo died in ``DeviceMesh.from_group``). Found on
     an H100 with the quickstart's optimizers at world size 1."""
-    overrides = [o for o in QUICKSTART[point] if not o.startswith("optimizer.shard_group_size")]
-    if overrides[0] == "optimizer=flexdemo":
-        overrides.append("optimizer.shard_group_size=1")
-    run = tiny_run(tmp_path, *overrides, workers=1, max_steps=3)
+    run = tiny_run(tmp_path, *at_world_size_one(QUICKSTART[point]), workers=1, max_steps=3)
     launch_local(run)
     summary = RunDir(run.run_dir).read_summary()
     assert summary["steps"] == 3 and summary["world_size"] == 1
