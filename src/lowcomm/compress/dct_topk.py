@@ -39,7 +39,7 @@ import torch
 
 from lowcomm.compress.base import Payload
 from lowcomm.compress.block_topk import block_topk
-from lowcomm.compress.dct import BlockLayout, block_transform, dct_basis
+from lowcomm.compress.dct import BlockLayout, dct_bases, dct_transform
 from lowcomm.compress.registry import register_codec
 
 WIRES = ("paper", "compact", "sign", "signbit")
@@ -336,19 +336,15 @@ class DCTTopK:
         self, layout: BlockLayout, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The (left, right) DCT bases of ``layout``; None where a chunk is 1 (the identity)."""
-        return tuple(
-            dct_basis(size, device, dtype) if size > 1 else None
-            for size in (layout.chunk_rows, layout.chunk_cols)
-        )
+        return dct_bases(layout, device, dtype)
 
     def encode(self, tensor: torch.Tensor) -> Payload:
         layout = self.layout(tensor.shape)
-        coefficients = block_transform(tensor, layout, *self.bases(layout, tensor.device, tensor.dtype))
+        coefficients = dct_transform(tensor.contiguous(), layout)
         index, _, values = self.select(coefficients, layout)
         return self.pack(index, values, layout)
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
         layout = self.layout(payloads[0].meta["shape"])
         coefficients = self.aggregate(payloads, layout)
-        bases = self.bases(layout, coefficients.device, coefficients.dtype)
-        return block_transform(coefficients, layout, *bases, inverse=True).view(layout.shape)
+        return dct_transform(coefficients, layout, inverse=True).view(layout.shape)

@@ -45,7 +45,13 @@ from torch.profiler import record_function
 
 from lowcomm.comm import Communicator
 from lowcomm.compress.base import Payload
-from lowcomm.compress.dct import BlockLayout, block_transform, random_orthonormal_basis
+from lowcomm.compress.dct import (
+    BlockLayout,
+    block_transform,
+    dct_inverse_add,
+    dct_transform,
+    random_orthonormal_basis,
+)
 from lowcomm.compress.dct_topk import WIRES, DCTTopK
 from lowcomm.optim.args import Args, one_of_error
 from lowcomm.optim.closure import closure_loss
@@ -462,6 +468,8 @@ class DeMo(torch.optim.Optimizer):
             coefficients = self.codec.aggregate_gathered(payloads, layouts, offsets, out=sums, counts=counts)
         for run in runs:
             layout, first = run.layout, run.items[0].offset
+            if self._decode_into_params(run, coefficients[first : first + layout.numel]):
+                continue
             with record_function("DeMo.decode"):
                 # the counts are spent: their space is the inverse transform's scratch
                 update = self._transform(
@@ -476,6 +484,16 @@ class DeMo(torch.optim.Optimizer):
                     if self.base == "muon":
                         part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
                     item.param.add_(part.view(item.param.shape), alpha=-item.lr)
+
+    def _decode_into_params(self, run: _Run, coefficients: torch.Tensor) -> bool:
+        """The run's inverse DCT, its base and its parameters' update as one pass over memory
+        (:func:`~lowcomm.compress.dct.dct_inverse_add`: on the CPU kernels, for the DCT
+        projection and the sign or sgd base). True when done; False leaves the separate steps."""
+        if self.projection != "dct" or self.base == "muon":
+            return False
+        with record_function("DeMo.decode"):  # the update is in it
+            return dct_inverse_add(coefficients, run.layout, [item.param for item in run.items],
+                                   alpha=-run.items[0].lr, sign=self.base == "sign")
 
     def _gathered_runs(
         self, flight: _InFlight, runs: list[_Run]
@@ -544,11 +562,8 @@ class DeMo(torch.optim.Optimizer):
         if key not in state:
             other = "momentum" if key == "momentum_dct" else "momentum_dct"
             if other in state:
-                bases = self.codec.bases(layout, param.device, param.dtype)
                 stored = state.pop(other)
-                state[key] = block_transform(stored, layout, *bases, inverse=other == "momentum_dct").view(
-                    param.shape
-                )
+                state[key] = dct_transform(stored.contiguous(), layout, inverse=other == "momentum_dct").view(param.shape)
             else:
                 state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         return state[key]
@@ -570,8 +585,8 @@ class DeMo(torch.optim.Optimizer):
             self._random_bases[key] = random_orthonormal_basis(size, 1_000_003 * step + size, device, dtype)
         return self._random_bases[key]
 
-    @staticmethod
     def _transform(
+        self,
         matrix: torch.Tensor | Sequence[torch.Tensor],
         layout: BlockLayout,
         bases: _Bases,
@@ -582,10 +597,13 @@ class DeMo(torch.optim.Optimizer):
         beta: float = 0.0,
         alpha: float = 1.0,
     ) -> torch.Tensor:
-        """:func:`block_transform`; the identity without accumulation returns ``matrix`` as it
-        is, saving a copy."""
+        """:func:`block_transform` (:func:`~lowcomm.compress.dct.dct_transform` for the DCT
+        projection: its CPU kernel when it can); the identity without accumulation returns
+        ``matrix`` as it is, saving a copy."""
         if bases[0] is None and bases[1] is None and not beta and alpha == 1 and isinstance(matrix, torch.Tensor):
             return matrix.view(layout.rows, layout.cols)
+        if self.projection == "dct":
+            return dct_transform(matrix, layout, inverse=inverse, out=out, scratch=scratch, beta=beta, alpha=alpha)
         return block_transform(
             matrix, layout, *bases, inverse=inverse, out=out, scratch=scratch, beta=beta, alpha=alpha
         )

@@ -1,0 +1,165 @@
+"""The block DCT's CPU kernel (``torch.ops.lowcomm.dct_blocks``, through
+lowcomm.compress.dct.dct_transform and dct_inverse_add) against the DCT written out from its
+definition (tests/dct_reference.py: Kronecker products of the cosine matrix, in float64), on
+every path the kernel takes: the even/odd recursion down the rows (even sizes above 8, odd
+sizes and small ones dense), the halves along the rows (widths that are whole vectors) or the
+whole product (others), the inverse of a block with few nonzero coefficients as one product, the
+accumulation into the target, the fused sign update, and the fallbacks to the matrix products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dct_reference import F64, dense_dct
+from lowcomm.compress import cpu_kernels
+from lowcomm.compress.dct import BlockLayout, block_transform, dct_bases, dct_inverse_add, dct_transform
+
+# (shape, chunk): the block geometry each exercises
+GEOMETRIES = [
+    ((128, 192), 64),  # 64 x 64: three levels of the recursion, the halves along the rows
+    ((96, 40), 64),  # 48 x 40: recursion to 12 then 6 dense; a width of 40 is no whole number of vectors
+    ((50, 70), 64),  # 50 x 35: 50 -> 25 odd (dense); odd width
+    ((24, 48), 16),  # 12 x 16: 12 -> 6; the halves of 16 are not whole float vectors
+    ((64, 64), 8),  # 8 x 8: dense both ways
+    ((3, 128), 64),  # 3 x 64
+    ((1, 256), 64),  # a 1-D tensor: blocks one row high, nothing down the rows
+    ((256, 7), 64),  # 64 x 7
+]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    assert cpu_kernels.available(), "lowcomm's CPU kernels did not build (see the warning)"
+
+
+def _layout(shape, chunk) -> BlockLayout:
+    return BlockLayout.for_shape(shape, chunk)
+
+
+def _sparse(shape, per_block_density: float, seed: int, dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=F64)
+    keep = torch.rand(shape, generator=generator, dtype=F64) < per_block_density
+    return (values * keep).to(dtype)
+
+
+@pytest.mark.parametrize(("shape", "chunk"), GEOMETRIES)
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("density", [1.0, 0.01, 0.0])
+def test_matches_the_definition_in_float64(shape, chunk, inverse, density):
+    matrix = _sparse(shape, density, seed=1, dtype=F64) if density < 1 else torch.randn(shape, dtype=F64)
+    layout = _layout(shape, chunk)
+    got = dct_transform(matrix, layout, inverse=inverse)
+    want = dense_dct(matrix, chunk, inverse=inverse)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("shape", "chunk"), GEOMETRIES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_float32_agrees_with_the_matrix_products_to_rounding(shape, chunk, inverse):
+    matrix = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    layout = _layout(shape, chunk)
+    got = dct_transform(matrix, layout, inverse=inverse)
+    products = block_transform(matrix, layout, *dct_bases(layout, "cpu", torch.float32), inverse=inverse)
+    truth = dense_dct(matrix.to(F64), chunk, inverse=inverse)
+    # both within a few float32 ulps of the largest coefficient of the exact result
+    tolerance = 4e-6 * truth.abs().max().item()
+    assert (got.to(F64) - truth).abs().max().item() <= tolerance
+    assert (products.to(F64) - truth).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 96, 97, 300])
+def test_an_inverse_of_few_coefficients_per_block_is_exact_on_either_side_of_the_switch(count):
+    """A 64 x 64 block with at most 96 nonzero coefficients is inverted as one product over them,
+    one with more by the two directions: both must give the definition's result. Counts per
+    block are exact here (the same positions in every block)."""
+    layout = _layout((128, 128), 64)
+    generator = torch.Generator().manual_seed(count)
+    matrix = torch.zeros(128, 128, dtype=F64)
+    chosen = torch.randperm(4096, generator=generator)[:count]
+    for block_row in range(2):
+        for block_col in range(2):
+            block = matrix[block_row * 64 : (block_row + 1) * 64, block_col * 64 : (block_col + 1) * 64]
+            block[chosen // 64, chosen % 64] = torch.randn(count, generator=generator, dtype=F64)
+    matrix[0, 1] = -0.0 if count == 0 else matrix[0, 1]  # a negative zero adds nothing
+    torch.testing.assert_close(dct_transform(matrix, layout, inverse=True), dense_dct(matrix, 64, inverse=True),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_accumulates_into_the_target_and_reads_it_only_with_beta(inverse):
+    shape, chunk = (192, 128), 64
+    layout = _layout(shape, chunk)
+    matrix = torch.randn(shape, dtype=F64)
+    transformed = dense_dct(matrix, chunk, inverse=inverse)
+    before = torch.randn(shape, dtype=F64)
+    out = before.clone()
+    dct_transform(matrix, layout, inverse=inverse, out=out, beta=0.9, alpha=-0.25)
+    torch.testing.assert_close(out, 0.9 * before - 0.25 * transformed, rtol=0, atol=1e-12)
+    stale = torch.full(shape, float("nan"), dtype=F64)  # beta = 0: never read, as in BLAS
+    dct_transform(matrix, layout, inverse=inverse, out=stale, alpha=2.0)
+    torch.testing.assert_close(stale, 2.0 * transformed, rtol=0, atol=1e-12)
+
+
+def test_stacked_parts_transform_as_their_concatenation_and_may_be_the_target():
+    layout = BlockLayout((320, 128), 320, 128, 64, 64)
+    parts = [torch.randn(192, 128, dtype=F64), torch.randn(64, 128, dtype=F64), torch.randn(64, 128, dtype=F64)]
+    want = dense_dct(torch.cat(parts), 64)
+    torch.testing.assert_close(dct_transform(parts, layout), want, rtol=0, atol=1e-12)
+    whole = torch.cat(parts)  # in place: each tile is read whole before it is written
+    dct_transform(whole, layout, out=whole)
+    torch.testing.assert_close(whole, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sign", [False, True])
+@pytest.mark.parametrize("density", [0.008, 1.0])  # about 32 per 64 x 64 block (one sender's top-k), and dense
+def test_the_fused_update_is_the_inverse_then_the_base_then_the_step(sign, density):
+    """DeMo's update in one pass: targets (a stack of parameters, row blocks) += alpha f(P^-1 Q)."""
+    layout = BlockLayout((320, 128), 320, 128, 64, 64)
+    coefficients = _sparse((320, 128), density, seed=3, dtype=F64)
+    params = [torch.randn(192, 128, dtype=F64), torch.randn(128, 128, dtype=F64)]
+    before = torch.cat(params)
+    assert dct_inverse_add(coefficients, layout, params, alpha=-0.01, sign=sign)
+    update = dense_dct(coefficients, 64, inverse=True)
+    if sign:
+        assert (update.abs() > 1e-9).all()  # no sign here is within rounding of zero
+        update = update.sign()
+    torch.testing.assert_close(torch.cat(params), before - 0.01 * update, rtol=0, atol=1e-12)
+
+
+def test_the_fused_update_leaves_what_the_kernels_cannot_do_to_the_caller(monkeypatch):
+    layout = BlockLayout((64, 128), 64, 128, 64, 64)
+    coefficients = torch.randn(64, 128)
+    for targets in ([torch.zeros(128, 64).T], [torch.zeros(64, 128, dtype=torch.bfloat16)]):
+        kept = [target.clone() for target in targets]
+        assert not dct_inverse_add(coefficients.to(targets[0].dtype), layout, targets, alpha=1.0, sign=True)
+        assert all(torch.equal(target, copy) for target, copy in zip(targets, kept, strict=True))
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    assert not dct_inverse_add(coefficients, layout, [torch.zeros(64, 128)], alpha=1.0, sign=True)
+
+
+def test_without_the_kernels_it_is_the_matrix_products_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    layout = _layout((128, 192), 64)
+    matrix = torch.randn(128, 192)
+    for inverse in (False, True):
+        products = block_transform(matrix, layout, *dct_bases(layout, "cpu", torch.float32), inverse=inverse)
+        assert torch.equal(dct_transform(matrix, layout, inverse=inverse), products)
+    strided = torch.randn(192, 128).T  # not contiguous: the products, with the kernels or without
+    monkeypatch.undo()
+    products = block_transform(strided, layout, *dct_bases(layout, "cpu", torch.float32))
+    assert torch.equal(dct_transform(strided, layout), products)
+
+
+def test_the_kernel_checks_its_arguments():
+    kernel = cpu_kernels.ops().dct_blocks
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        kernel([torch.zeros(64, 64, dtype=torch.bfloat16)], [torch.zeros(64, 64, dtype=torch.bfloat16)], 64, 64, 64,
+               False, 0.0, 1.0, False)
+    with pytest.raises(RuntimeError, match="whole number of block rows"):
+        kernel([torch.zeros(32, 64)], [torch.zeros(32, 64)], 64, 64, 64, False, 0.0, 1.0, False)
+    with pytest.raises(RuntimeError, match="the targets"):
+        kernel([torch.zeros(128, 64)], [torch.zeros(64, 64)], 64, 64, 64, False, 0.0, 1.0, False)
+    with pytest.raises(RuntimeError, match="do not tile"):
+        kernel([torch.zeros(64, 64)], [torch.zeros(64, 64)], 64, 64, 48, False, 0.0, 1.0, False)
