@@ -4,7 +4,8 @@ definition (tests/dct_reference.py: Kronecker products of the cosine matrix, in 
 every path the kernel takes: the even/odd recursion down the rows (even sizes above 8, odd
 sizes and small ones dense), the halves along the rows (widths that are whole vectors) or the
 whole product (others), the inverse of a block with few nonzero coefficients as one product, the
-accumulation into the target, the fused sign update, and the fallbacks to the matrix products."""
+accumulation into the target, DeMo's decode of gathered payloads into its parameters (with its
+sign), and the fallbacks to the matrix products."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from dct_reference import F64, dense_dct
 from lowcomm.compress import cpu_kernels
-from lowcomm.compress.dct import BlockLayout, block_transform, dct_bases, dct_inverse_add, dct_transform
+from lowcomm.compress.base import Payload
+from lowcomm.compress.dct import BlockLayout, block_transform, dct_bases, dct_transform
+from lowcomm.compress.dct_topk import DCTTopK
 
 # (shape, chunk): the block geometry each exercises
 GEOMETRIES = [
@@ -112,31 +115,72 @@ def test_stacked_parts_transform_as_their_concatenation_and_may_be_the_target():
     torch.testing.assert_close(whole, want, rtol=0, atol=1e-12)
 
 
+def _gathered(workers: int, layout: BlockLayout, k: int, seed: int, dtype=F64) -> Payload:
+    """W workers' paper-wire payloads as an all-gather leaves them: distinct block-local indices
+    per block and worker (ascending, as the codec selects them), random values."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.stack([torch.randperm(layout.block_numel, generator=generator)[:k].sort().values
+                                      for _ in range(layout.num_blocks)]) for _ in range(workers)])
+    values = torch.randn(workers, layout.num_blocks, k, generator=generator, dtype=dtype)
+    return Payload({"index": index, "values": values}, {"shape": layout.shape, "dtype": dtype})
+
+
 @pytest.mark.parametrize("sign", [False, True])
-@pytest.mark.parametrize("density", [0.008, 1.0])  # about 32 per 64 x 64 block (one sender's top-k), and dense
-def test_the_fused_update_is_the_inverse_then_the_base_then_the_step(sign, density):
-    """DeMo's update in one pass: targets (a stack of parameters, row blocks) += alpha f(P^-1 Q)."""
+@pytest.mark.parametrize(("workers", "k"), [(1, 32), (2, 32), (3, 40), (8, 32), (1, 2000)])
+def test_decoding_into_the_targets_is_the_aggregate_then_the_inverse_then_the_step(workers, k, sign):
+    """DeMo's decode and update in one pass: targets (a stack of parameters, row blocks) +=
+    alpha f(P^-1 Q), Q the mean over senders of the gathered payloads. Against the codec's own
+    aggregate and the inverse from the DCT's definition. (1 and 2 senders of 32 take the
+    one-product inverse of few coefficients; 3 of 40 and 8 of 32, and 2,000 of one, do not.)"""
+    codec = DCTTopK(chunk=64, topk=k, wire="paper")
     layout = BlockLayout((320, 128), 320, 128, 64, 64)
-    coefficients = _sparse((320, 128), density, seed=3, dtype=F64)
+    gathered = _gathered(workers, layout, k, seed=workers)
+    aggregate = codec.aggregate_gathered([gathered], [layout], [0], out=torch.empty(layout.numel, dtype=F64),
+                                         counts=torch.empty(layout.numel, dtype=F64))
     params = [torch.randn(192, 128, dtype=F64), torch.randn(128, 128, dtype=F64)]
     before = torch.cat(params)
-    assert dct_inverse_add(coefficients, layout, params, alpha=-0.01, sign=sign)
-    update = dense_dct(coefficients, 64, inverse=True)
+    assert codec.decode_add(gathered, layout, params, alpha=-0.01, sign=sign)
+    update = dense_dct(aggregate.view(320, 128), 64, inverse=True)
     if sign:
         assert (update.abs() > 1e-9).all()  # no sign here is within rounding of zero
         update = update.sign()
     torch.testing.assert_close(torch.cat(params), before - 0.01 * update, rtol=0, atol=1e-12)
 
 
-def test_the_fused_update_leaves_what_the_kernels_cannot_do_to_the_caller(monkeypatch):
+def test_decoding_into_the_targets_is_bit_for_bit_the_aggregate_then_the_kernels_inverse():
+    """float32, 4 senders: the coefficients gathered in cache are the aggregate's exactly."""
+    codec = DCTTopK(chunk=64, topk=32, wire="paper")
+    layout = BlockLayout((256, 192), 256, 192, 64, 64)
+    gathered = _gathered(4, layout, 32, seed=5, dtype=torch.float32)
+    aggregate = codec.aggregate_gathered([gathered], [layout], [0], out=torch.empty(layout.numel),
+                                         counts=torch.empty(layout.numel))
+    inverse = dct_transform(aggregate.view(256, 192), layout, inverse=True)
+    param = torch.randn(256, 192)
+    want = param - 0.5 * inverse.sign()
+    assert codec.decode_add(gathered, layout, [param], alpha=-0.5, sign=True)
+    assert torch.equal(param, want)
+
+
+def test_decoding_into_the_targets_leaves_what_the_kernels_cannot_do_to_the_caller(monkeypatch):
+    codec = DCTTopK(chunk=64, topk=4, wire="paper")
     layout = BlockLayout((64, 128), 64, 128, 64, 64)
-    coefficients = torch.randn(64, 128)
-    for targets in ([torch.zeros(128, 64).T], [torch.zeros(64, 128, dtype=torch.bfloat16)]):
-        kept = [target.clone() for target in targets]
-        assert not dct_inverse_add(coefficients.to(targets[0].dtype), layout, targets, alpha=1.0, sign=True)
-        assert all(torch.equal(target, copy) for target, copy in zip(targets, kept, strict=True))
+    for target in (torch.zeros(128, 64).T, torch.zeros(64, 128, dtype=torch.bfloat16)):
+        gathered = _gathered(1, layout, 4, seed=6, dtype=target.dtype)
+        kept = target.clone()
+        assert not codec.decode_add(gathered, layout, [target], alpha=1.0, sign=True)
+        assert torch.equal(target, kept)
     monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
-    assert not dct_inverse_add(coefficients, layout, [torch.zeros(64, 128)], alpha=1.0, sign=True)
+    assert not codec.decode_add(_gathered(1, layout, 4, seed=6), layout, [torch.zeros(64, 128, dtype=F64)],
+                                alpha=1.0, sign=True)
+
+
+def test_a_corrupt_index_is_refused_not_written_through():
+    codec = DCTTopK(chunk=64, topk=4, wire="paper")
+    layout = BlockLayout((64, 128), 64, 128, 64, 64)
+    gathered = _gathered(1, layout, 4, seed=7)
+    gathered.tensors["index"][0, 1, 2] = 4096  # one past the block
+    with pytest.raises(RuntimeError, match="outside a block of 4096"):
+        codec.decode_add(gathered, layout, [torch.zeros(64, 128, dtype=F64)], alpha=1.0, sign=False)
 
 
 def test_without_the_kernels_it_is_the_matrix_products_bit_for_bit(monkeypatch):
@@ -156,10 +200,10 @@ def test_the_kernel_checks_its_arguments():
     kernel = cpu_kernels.ops().dct_blocks
     with pytest.raises(RuntimeError, match="float32 or float64"):
         kernel([torch.zeros(64, 64, dtype=torch.bfloat16)], [torch.zeros(64, 64, dtype=torch.bfloat16)], 64, 64, 64,
-               False, 0.0, 1.0, False)
+               False, 0.0, 1.0)
     with pytest.raises(RuntimeError, match="whole number of block rows"):
-        kernel([torch.zeros(32, 64)], [torch.zeros(32, 64)], 64, 64, 64, False, 0.0, 1.0, False)
+        kernel([torch.zeros(32, 64)], [torch.zeros(32, 64)], 64, 64, 64, False, 0.0, 1.0)
     with pytest.raises(RuntimeError, match="the targets"):
-        kernel([torch.zeros(128, 64)], [torch.zeros(64, 64)], 64, 64, 64, False, 0.0, 1.0, False)
+        kernel([torch.zeros(128, 64)], [torch.zeros(64, 64)], 64, 64, 64, False, 0.0, 1.0)
     with pytest.raises(RuntimeError, match="do not tile"):
-        kernel([torch.zeros(64, 64)], [torch.zeros(64, 64)], 64, 64, 48, False, 0.0, 1.0, False)
+        kernel([torch.zeros(64, 64)], [torch.zeros(64, 64)], 64, 64, 48, False, 0.0, 1.0)

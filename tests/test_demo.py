@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from dct_reference import as_matrix, chunk_by_search, dct_definition, dense_topk
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
+from lowcomm.compress import cpu_kernels
 from lowcomm.compress.dct import random_orthonormal_basis
 from lowcomm.config import ConfigError, validate_optimizer
 from lowcomm.config.compose import compose
@@ -512,21 +513,30 @@ def test_the_one_bucket_exchange_is_a_config_setting():
         strategy("optimizer.bucket_numel=0")
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("wire", ["paper", "compact", "sign", "signbit"])
-def test_a_stacks_gathered_payloads_are_aggregated_as_one(wire, monkeypatch):
+def test_a_stacks_gathered_payloads_are_aggregated_as_one(wire, kernels, monkeypatch):
     """Two (8, 16) parameters: 8 blocks x k = 3 is 24 sign bits, whole bytes, so in every wire
-    their payloads, laid out key by key, read as one stacked payload: one aggregation entry."""
+    their payloads, laid out key by key, read as one stacked payload: one aggregation entry
+    (one decode into both parameters where the CPU kernels decode, one aggregate elsewhere)."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
     params = [torch.nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))) for i in range(2)]
     optimizer = DeMo(params, DeMoArgs.defaults(lr=LR, compression_topk=TOPK, compression_chunk=CHUNK, wire=wire,
                                                         bucket_numel=10**9))
     entries = []
-    aggregate = optimizer.codec.aggregate_gathered
+    aggregate, decode = optimizer.codec.aggregate_gathered, optimizer.codec.decode_add
 
     def counting(payloads, layouts, offsets, **work):
         entries.append([layout.shape for layout in layouts])
         return aggregate(payloads, layouts, offsets, **work)
 
+    def counting_decodes(payload, layout, targets, **how):
+        entries.append([layout.shape])
+        return decode(payload, layout, targets, **how)
+
     monkeypatch.setattr(optimizer.codec, "aggregate_gathered", counting)
+    monkeypatch.setattr(optimizer.codec, "decode_add", counting_decodes)
     for param in params:
         param.grad = torch.randn(8, 16)
     optimizer.step()

@@ -603,10 +603,12 @@ class TileTransform {
     const int64_t most = std::max(g.chunk_rows, g.chunk_cols);
     // a block with at most this many nonzero coefficients is inverted as one product
     rank_limit_ = down && across ? 3 * std::min(g.chunk_rows, g.chunk_cols) / 2 : -1;
-    space_.reset(new Vec<T>[(5 * tile + 4 * most) / kLanes<T> + 1]);  // not zeroed: every use writes first
+    space_.reset(new Vec<T>[(7 * tile + 4 * most) / kLanes<T> + 1]);  // not zeroed: every use writes first
     stage_ = reinterpret_cast<T*>(space_.get());
     result_ = stage_ + tile;
-    work_ = result_ + tile;  // 3 tiles, then 4 x the longer side
+    gathered_ = result_ + tile;  // the coefficients of run_gathered, and their senders
+    senders_ = gathered_ + tile;
+    work_ = senders_ + tile;  // 3 tiles, then 4 x the longer side
     small_ = work_ + 3 * tile;
     const int64_t lists = g.tile_blocks * (rank_limit_ + 1);
     at_row_.resize(std::max(lists, most));
@@ -617,28 +619,64 @@ class TileTransform {
 
   // Tile `tile` of the block row starting at `source` (rows `cols` apart) into `target`'s.
   void run(const T* source, T* target, int64_t tile) {
-    const int64_t R = g_.chunk_rows, C = g_.chunk_cols, cols = g_.cols;
-    const int64_t first = tile * g_.tile_blocks * C;
-    const int64_t blocks = std::min(g_.tile_blocks, (cols - first) / C), width = blocks * C;
-    source += first;
-    target += first;
+    const int64_t first = tile * g_.tile_blocks * g_.chunk_cols;
+    transform(source + first, g_.cols, target + first, tile_blocks(tile));
+  }
+
+  // The inverse of tile `tile` of block row `block_row` into `target`'s (the block row's start),
+  // its coefficients given by W workers' payloads: `index` and `values` (W x num_blocks x k,
+  // block-local indices). Each position gets the mean over the workers that sent it, summed in
+  // worker order and divided by their number at W > 1 (DCTTopK.aggregate_gathered's rule, bit
+  // for bit), in a tile in cache: the rows x cols coefficients never pass through memory.
+  void run_gathered(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
+                    int64_t block_row, T* target, int64_t tile) {
+    const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
+    const int64_t block_numel = g_.chunk_rows * C, tile_numel = g_.chunk_rows * width;
+    const int64_t first_block = block_row * (g_.cols / C) + tile * g_.tile_blocks;
+    std::fill_n(gathered_, tile_numel, T(0));
+    if (workers > 1) std::fill_n(senders_, tile_numel, T(0));
+    for (int64_t w = 0; w < workers; ++w)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = (w * num_blocks + first_block + b) * k;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t local = index[at + j];
+          TORCH_CHECK(local >= 0 && local < block_numel, "lowcomm::dct_gathered_update: block-local index ", local,
+                      " outside a block of ", block_numel);
+          const int64_t position = (local / C) * width + b * C + local % C;
+          gathered_[position] += values[at + j];
+          if (workers > 1) senders_[position] += T(1);
+        }
+      }
+    if (workers > 1)
+      for (int64_t i = 0; i < tile_numel; ++i) gathered_[i] /= std::max(senders_[i], T(1));
+    transform(gathered_, width, target + tile * g_.tile_blocks * C, blocks);
+  }
+
+ private:
+  int64_t tile_blocks(int64_t tile) const {
+    return std::min(g_.tile_blocks, g_.cols / g_.chunk_cols - tile * g_.tile_blocks);
+  }
+
+  // `blocks` blocks side by side from `source` (rows `ld` apart) into `target` (rows `cols` apart).
+  void transform(const T* source, int64_t ld, T* target, int64_t blocks) {
+    const int64_t R = g_.chunk_rows, C = g_.chunk_cols, cols = g_.cols, width = blocks * C;
     if (!inverse_) {
       const T* down = source;
-      int64_t ld = cols;
+      int64_t down_ld = ld;
       if (down_) {  // every block of the tile at once
-        forward_down(*down_, source, cols, width, stage_, work_, work_ + R * width);
+        forward_down(*down_, source, ld, width, stage_, work_, work_ + R * width);
         down = stage_;
-        ld = width;
+        down_ld = width;
       }
       for (int64_t b = 0; b < blocks; ++b) {
         if (across_) {
-          forward_across(*across_, down + b * C, ld, R, result_ + b * C, width, work_);
+          forward_across(*across_, down + b * C, down_ld, R, result_ + b * C, width, work_);
         } else {
-          for (int64_t r = 0; r < R; ++r) std::copy_n(down + r * ld + b * C, C, result_ + r * width + b * C);
+          for (int64_t r = 0; r < R; ++r) std::copy_n(down + r * down_ld + b * C, C, result_ + r * width + b * C);
         }
       }
     } else {
-      const bool dense = rank_limit_ < 0 || !nonzeros(source, blocks);
+      const bool dense = rank_limit_ < 0 || !nonzeros(source, ld, blocks);
       if (!dense) {
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t at = b * (rank_limit_ + 1);
@@ -649,9 +687,9 @@ class TileTransform {
         for (int64_t b = 0; b < blocks; ++b) {
           T* out = down_ ? stage_ + b * C : result_ + b * C;
           if (across_) {
-            inverse_across(*across_, source + b * C, cols, R, out, width, small_, at_row_.data());
+            inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
           } else {
-            for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * cols + b * C, C, out + r * width);
+            for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
           }
         }
         if (down_) inverse_down(*down_, stage_, width, width, result_, work_);
@@ -660,15 +698,14 @@ class TileTransform {
     emit_rows(emit_, result_, R, width, target, cols);
   }
 
- private:
-  // The nonzero coefficients of each of the tile's `blocks` blocks (rows `cols` apart), row by
+  // The nonzero coefficients of each of the tile's `blocks` blocks (rows `ld` apart), row by
   // row along memory, into per-block lists of at most rank_limit: false as soon as a block has
   // more. A 64-byte run of zero bits is passed over at once (a -0.0 is kept: it adds nothing).
-  bool nonzeros(const T* tile, int64_t blocks) {
+  bool nonzeros(const T* tile, int64_t ld, int64_t blocks) {
     const int64_t C = g_.chunk_cols, width = blocks * C, capacity = rank_limit_ + 1;
     std::fill_n(counts_.begin(), blocks, 0);
     for (int64_t r = 0; r < g_.chunk_rows; ++r) {
-      const T* row = tile + r * g_.cols;
+      const T* row = tile + r * ld;
       for (int64_t c = 0; c < width; c += kLanes<T>) {
         const int64_t stop = std::min(width, c + kLanes<T>);
         if (stop - c == kLanes<T>) {
@@ -699,7 +736,7 @@ class TileTransform {
   const AcrossPlan<T>* across_;
   int64_t rank_limit_;
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
-  T *stage_, *result_, *work_, *small_;
+  T *stage_, *result_, *gathered_, *senders_, *work_, *small_;
   std::vector<int64_t> at_row_, at_col_, counts_;
   std::vector<T> values_;
 };
@@ -721,12 +758,11 @@ std::vector<Pointer> block_row_starts(at::TensorList parts, int64_t block_row_nu
   return starts;
 }
 
-// targets = beta * targets + alpha * f(T(parts)): T the block DCT-II of the rows x cols matrix
-// the parts make row over row (or its inverse), f the sign or nothing, the targets another rows x
-// cols matrix in row blocks. beta = 0 does not read the targets. A part and a target may be the
+// targets = beta * targets + alpha * T(parts): T the block DCT-II of the rows x cols matrix the
+// parts make row over row (or its inverse), the targets another rows x cols matrix in row blocks. beta = 0 does not read the targets. A part and a target may be the
 // same memory: a tile is read whole before it is written.
 void dct_blocks(at::TensorList parts, at::TensorList targets, int64_t cols, int64_t chunk_rows, int64_t chunk_cols,
-                bool inverse, double beta, double alpha, bool sign) {
+                bool inverse, double beta, double alpha) {
   TORCH_CHECK(!parts.empty() && !targets.empty(), "lowcomm::dct_blocks: no parts or no targets");
   const at::Tensor& like = parts[0];
   TORCH_CHECK(like.scalar_type() == at::kFloat || like.scalar_type() == at::kDouble,
@@ -745,11 +781,50 @@ void dct_blocks(at::TensorList parts, at::TensorList targets, int64_t cols, int6
     const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
     const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
     const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
-    const Emit emit{beta, alpha, sign};
+    const Emit emit{beta, alpha, false};
     at::parallel_for(0, static_cast<int64_t>(sources.size()) * tiles, 1, [&](int64_t first, int64_t last) {
       TileTransform<scalar_t> transform(geometry, inverse, emit, down, across);
       for (int64_t task = first; task < last; ++task)
         transform.run(sources[task / tiles], destinations[task / tiles], task % tiles);
+    });
+  });
+}
+
+// targets += alpha * f(P^-1(Q)), Q the mean over the workers that sent each coefficient of
+// their payloads (index, values: W x num_blocks x k, block-local indices; DeMo's aggregate), P
+// the block DCT-II of the rows x cols matrix the targets make row over row, f the sign or nothing.
+void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::TensorList targets, int64_t cols,
+                         int64_t chunk_rows, int64_t chunk_cols, double alpha, bool sign) {
+  TORCH_CHECK(!targets.empty(), "lowcomm::dct_gathered_update: no targets");
+  const at::Tensor& like = targets[0];
+  TORCH_CHECK(like.scalar_type() == at::kFloat || like.scalar_type() == at::kDouble,
+              "lowcomm::dct_gathered_update: float32 or float64, got ", like.scalar_type());
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 3 && index.is_contiguous(),
+              "lowcomm::dct_gathered_update: index must be a contiguous W x blocks x k int64 CPU tensor");
+  TORCH_CHECK(values.sizes() == index.sizes() && values.scalar_type() == like.scalar_type() &&
+                  values.is_contiguous() && values.device().is_cpu(),
+              "lowcomm::dct_gathered_update: values must be contiguous, shaped as index, of the targets' dtype");
+  TORCH_CHECK(cols >= 1 && chunk_rows >= 1 && chunk_cols >= 1 && cols % chunk_cols == 0,
+              "lowcomm::dct_gathered_update: blocks of ", chunk_rows, " x ", chunk_cols, " do not tile ", cols,
+              " columns");
+  AT_DISPATCH_FLOATING_TYPES(like.scalar_type(), "lowcomm::dct_gathered_update", [&] {
+    const auto destinations = block_row_starts<scalar_t, scalar_t*>(targets, chunk_rows * cols, "target", like);
+    const int64_t blocks_cols = cols / chunk_cols, block_rows = static_cast<int64_t>(destinations.size());
+    TORCH_CHECK(index.size(1) == block_rows * blocks_cols, "lowcomm::dct_gathered_update: payloads of ",
+                index.size(1), " blocks for targets of ", block_rows * blocks_cols);
+    const DownPlan<scalar_t>* down = chunk_rows > 1 ? &plan_for<DownPlan<scalar_t>>(chunk_rows) : nullptr;
+    const AcrossPlan<scalar_t>* across = chunk_cols > 1 ? &plan_for<AcrossPlan<scalar_t>>(chunk_cols) : nullptr;
+    const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
+    const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
+    const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
+    const Emit emit{1.0, alpha, sign};
+    const int64_t* where = index.const_data_ptr<int64_t>();
+    const scalar_t* sent = values.const_data_ptr<scalar_t>();
+    at::parallel_for(0, block_rows * tiles, 1, [&](int64_t first, int64_t last) {
+      TileTransform<scalar_t> transform(geometry, true, emit, down, across);
+      for (int64_t task = first; task < last; ++task)
+        transform.run_gathered(where, sent, index.size(0), index.size(1), index.size(2), task / tiles,
+                               destinations[task / tiles], task % tiles);
     });
   });
 }
@@ -759,10 +834,13 @@ void dct_blocks(at::TensorList parts, at::TensorList targets, int64_t cols, int6
 TORCH_LIBRARY(lowcomm, m) {
   m.def("block_topk(Tensor matrix, int chunk_rows, int chunk_cols, int k, int group) -> (Tensor, Tensor, Tensor)");
   m.def("dct_blocks(Tensor[] parts, Tensor(a!)[] targets, int cols, int chunk_rows, int chunk_cols, bool inverse, "
-        "float beta, float alpha, bool sign) -> ()");
+        "float beta, float alpha) -> ()");
+  m.def("dct_gathered_update(Tensor index, Tensor values, Tensor(a!)[] targets, int cols, int chunk_rows, "
+        "int chunk_cols, float alpha, bool sign) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowcomm, CPU, m) {
   m.impl("block_topk", &block_topk);
   m.impl("dct_blocks", &dct_blocks);
+  m.impl("dct_gathered_update", &dct_gathered_update);
 }

@@ -244,7 +244,7 @@ def dct_bases(
     return tuple(dct_basis(size, device, dtype) if size > 1 else None for size in (layout.chunk_rows, layout.chunk_cols))
 
 
-def _dct_kernels(tensors: Sequence[torch.Tensor]) -> Any | None:
+def dct_kernels(tensors: Sequence[torch.Tensor]) -> Any | None:
     """lowcomm's CPU kernels (``torch.ops.lowcomm``) when they can transform these tensors: on the
     CPU, float32 or float64, contiguous, built; else None."""
     first = tensors[0]
@@ -281,28 +281,9 @@ def dct_transform(
     parts = [matrix] if isinstance(matrix, torch.Tensor) else list(matrix)
     if out is None:
         out = parts[0].new_empty(layout.rows, layout.cols)
-    kernels = _dct_kernels([*parts, out])
+    kernels = dct_kernels([*parts, out])
     if kernels is not None:
-        kernels.dct_blocks(parts, [out], layout.cols, layout.chunk_rows, layout.chunk_cols, inverse, beta, alpha, False)
+        kernels.dct_blocks(parts, [out], layout.cols, layout.chunk_rows, layout.chunk_cols, inverse, beta, alpha)
         return out.view(layout.rows, layout.cols)
     bases = dct_bases(layout, parts[0].device, parts[0].dtype)
     return block_transform(parts, layout, *bases, inverse=inverse, out=out, scratch=scratch, beta=beta, alpha=alpha)
-
-
-def dct_inverse_add(
-    coefficients: torch.Tensor, layout: BlockLayout, targets: Sequence[torch.Tensor], *, alpha: float, sign: bool
-) -> bool:
-    """``targets += alpha * f(P^-1(coefficients))`` in one pass with lowcomm's CPU kernels: P the
-    block DCT-II of ``layout``, f the sign (``sign``) or nothing, ``targets`` the row blocks of a
-    ``rows x cols`` matrix from top to bottom (DeMo's update of a stack of parameters, with no
-    ``rows x cols`` temporary). Returns False, with nothing done, where the kernels cannot
-    (another device or dtype, a target that is not contiguous, kernels not built): the caller
-    then takes the separate steps. The signs are those of the kernel's inverse, which agrees
-    with :func:`block_transform`'s to rounding, so an entry within rounding of zero may take
-    the other sign."""
-    kernels = _dct_kernels([coefficients, *targets])
-    if kernels is None:
-        return False
-    kernels.dct_blocks([coefficients], list(targets), layout.cols, layout.chunk_rows, layout.chunk_cols, True,
-                       1.0, alpha, sign)
-    return True

@@ -39,7 +39,7 @@ import torch
 
 from lowcomm.compress.base import Payload
 from lowcomm.compress.block_topk import block_topk
-from lowcomm.compress.dct import BlockLayout, dct_bases, dct_transform
+from lowcomm.compress.dct import BlockLayout, dct_bases, dct_kernels, dct_transform
 from lowcomm.compress.registry import register_codec
 
 WIRES = ("paper", "compact", "sign", "signbit")
@@ -330,6 +330,26 @@ class DCTTopK:
             # longer than three passes over the buffer, and at W = 64 five times longer.
             sums.div_(tally.clamp_(min=1))
         return sums
+
+    def decode_add(
+        self, gathered: Payload, layout: BlockLayout, targets: list[torch.Tensor], *, alpha: float, sign: bool
+    ) -> bool:
+        """``targets += alpha * f(P^-1(Q))`` in one pass with lowcomm's CPU kernels: Q the
+        aggregate of a gathered payload (tensors with a leading dimension of W workers), each
+        coefficient the mean over the workers that sent it, bit for bit as
+        :meth:`aggregate_gathered` makes it; P^-1 the inverse block DCT; f the sign (``sign``)
+        or nothing; ``targets`` the row blocks of ``layout``'s ``rows x cols`` matrix, top to
+        bottom (DeMo's update of a stack of parameters). Each tile of 64-row blocks gathers its
+        coefficients in cache, so no ``rows x cols`` buffer is zeroed, filled or read. Returns
+        False, with nothing done, where the kernels cannot (:func:`~lowcomm.compress.dct.dct_kernels`)."""
+        index, values = self.unpack(gathered)
+        kernels = dct_kernels(targets)
+        if kernels is None or values.dtype != targets[0].dtype or values.device != targets[0].device:
+            return False
+        shape = (index.shape[0], layout.num_blocks, -1)
+        kernels.dct_gathered_update(index.reshape(shape).contiguous(), values.reshape(shape).contiguous(), targets,
+                                    layout.cols, layout.chunk_rows, layout.chunk_cols, alpha, sign)
+        return True
 
     # ------------------------------------------------------------- whole tensors
     def bases(

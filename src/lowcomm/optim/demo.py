@@ -48,7 +48,7 @@ from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import (
     BlockLayout,
     block_transform,
-    dct_inverse_add,
+    dct_kernels,
     dct_transform,
     random_orthonormal_basis,
 )
@@ -456,20 +456,26 @@ class DeMo(torch.optim.Optimizer):
 
     def _apply_bucket(self, flight: _InFlight) -> None:
         """Wait for the bucket's payloads, aggregate them all in one pass, then inverse-transform
-        and update each parameter."""
+        and update each parameter; on the CPU kernels (DCT projection, sign or sgd base) all of
+        that per run in one pass (:meth:`DCTTopK.decode_add`)."""
         with record_function("DeMo.communicate"):
             for handle in flight.works:
                 handle.wait()
         runs = _runs(flight.sent)
         first = flight.sent[0].param
+        payloads, layouts, offsets, members = self._gathered_runs(flight, runs)
+        if self._decodes_into_params(flight):
+            with record_function("DeMo.decode"):  # the inverse, the base and the update, in one pass
+                for payload, layout, items in zip(payloads, layouts, members, strict=True):
+                    done = self.codec.decode_add(payload, layout, [item.param for item in items],
+                                                 alpha=-items[0].lr, sign=self.base == "sign")
+                    assert done, "decode_add refused what _decodes_into_params accepted"
+            return
         sums, counts, spare = self._work_buffers(first, flight.numel)
         with record_function("DeMo.decode"):
-            payloads, layouts, offsets = self._gathered_runs(flight, runs)
             coefficients = self.codec.aggregate_gathered(payloads, layouts, offsets, out=sums, counts=counts)
         for run in runs:
             layout, first = run.layout, run.items[0].offset
-            if self._decode_into_params(run, coefficients[first : first + layout.numel]):
-                continue
             with record_function("DeMo.decode"):
                 # the counts are spent: their space is the inverse transform's scratch
                 update = self._transform(
@@ -485,20 +491,17 @@ class DeMo(torch.optim.Optimizer):
                         part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
                     item.param.add_(part.view(item.param.shape), alpha=-item.lr)
 
-    def _decode_into_params(self, run: _Run, coefficients: torch.Tensor) -> bool:
-        """The run's inverse DCT, its base and its parameters' update as one pass over memory
-        (:func:`~lowcomm.compress.dct.dct_inverse_add`: on the CPU kernels, for the DCT
-        projection and the sign or sgd base). True when done; False leaves the separate steps."""
-        if self.projection != "dct" or self.base == "muon":
-            return False
-        with record_function("DeMo.decode"):  # the update is in it
-            return dct_inverse_add(coefficients, run.layout, [item.param for item in run.items],
-                                   alpha=-run.items[0].lr, sign=self.base == "sign")
+    def _decodes_into_params(self, flight: _InFlight) -> bool:
+        """Can the bucket's decode write straight into its parameters (:meth:`DCTTopK.decode_add`:
+        the DCT projection, the sign or sgd base, parameters the CPU kernels take)?"""
+        return (self.projection == "dct" and self.base != "muon"
+                and dct_kernels([item.param for item in flight.sent]) is not None)
 
     def _gathered_runs(
         self, flight: _InFlight, runs: list[_Run]
-    ) -> tuple[list[Payload], list[BlockLayout], list[int]]:
-        """The gathered payloads as :meth:`DCTTopK.aggregate_gathered` takes them: one per run
+    ) -> tuple[list[Payload], list[BlockLayout], list[int], list[list[_Sent]]]:
+        """The gathered payloads as :meth:`DCTTopK.aggregate_gathered` takes them, with the
+        parameters each covers: one per run
         (its parameters' payloads lie side by side in the gathered buffers, so one view of each
         covers them all, as if one stacked matrix had been sent), or one per parameter of a
         run whose payloads cannot be read as one (sign bits of a parameter before the last that
@@ -512,7 +515,7 @@ class DeMo(torch.optim.Optimizer):
         def view(buffer: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
             return buffer[:, start : start + math.prod(shape)].view(world, *shape)
 
-        payloads, layouts, offsets = [], [], []
+        payloads, layouts, offsets, members = [], [], [], []
         for run in runs:
             merged = self._merged(run, where) if len(run.items) > 1 else None
             if merged is not None:
@@ -521,13 +524,15 @@ class DeMo(torch.optim.Optimizer):
                 payloads.append(Payload(tensors, meta))
                 layouts.append(run.layout)
                 offsets.append(run.items[0].offset)
+                members.append(run.items)
                 continue
             for entry, item in zip(run.entries, run.items, strict=True):
                 tensors = {key: view(buffer, start, tuple(shape)) for key, (buffer, start, shape) in where[entry].items()}
                 payloads.append(Payload(tensors, item.payload.meta))
                 layouts.append(item.layout)
                 offsets.append(item.offset)
-        return payloads, layouts, offsets
+                members.append([item])
+        return payloads, layouts, offsets, members
 
     def _merged(
         self, run: _Run, where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]]
