@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowcomm.compress import block_topk as block_topk_module
 from lowcomm.compress import cpu_kernels
+from lowcomm.compress import dct_topk as dct_topk_module
 from lowcomm.compress.block_topk import block_topk, group_rows, kernel_group_rows
 from lowcomm.compress.dct import BlockLayout
 
@@ -114,11 +116,14 @@ def test_nan_is_selected_as_torch_topk_selects_it():
 
 # ------------------------------------------------------------- the kernel against the rounds
 def both_paths(monkeypatch, run):
-    """``run()`` on the kernel, then on the torch rounds."""
+    """``run()`` with the selection on the kernel, then on the torch rounds. Only the selection
+    changes: the block DCT stays on its own kernel both times (it rounds otherwise than the matrix
+    products), and DeMo's transform-and-select kernel gives way to the transform then the rounds."""
     assert cpu_kernels.available(), "lowcomm's CPU kernels did not build (see the warning)"
     on_kernel = run()
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "ops", lambda: None)
+        for module in (block_topk_module, dct_topk_module):
+            patch.setattr(module, "selection_kernels", lambda _matrix: None)
         on_torch = run()
     return on_kernel, on_torch
 

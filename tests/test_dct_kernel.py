@@ -207,3 +207,33 @@ def test_the_kernel_checks_its_arguments():
         kernel([torch.zeros(128, 64)], [torch.zeros(64, 64)], 64, 64, 64, False, 0.0, 1.0)
     with pytest.raises(RuntimeError, match="do not tile"):
         kernel([torch.zeros(64, 64)], [torch.zeros(64, 64)], 64, 64, 48, False, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(("shape", "chunk", "k"), [((320, 1024), 64, 32), ((96, 40), 64, 8), ((128, 96), 16, 3)])
+def test_transform_and_select_in_one_pass_is_the_transform_then_the_selection(shape, chunk, k):
+    """DeMo's encode on the CPU kernels: the momentum accumulated by the transform and the top-k
+    of each tile taken while it is in cache are bit for bit dct_transform then block_topk."""
+    codec = DCTTopK(chunk=chunk, topk=k, wire="paper")
+    layout = codec.layout(shape)
+    generator = torch.Generator().manual_seed(9)
+    parts = list(torch.randn(shape, generator=generator).split(layout.chunk_rows * 2))
+    parts = [part.contiguous() for part in parts]
+    momentum = torch.randn(layout.rows, layout.cols, generator=generator)
+    expected_momentum = dct_transform(parts, layout, out=momentum.clone(), beta=0.9, alpha=0.01)
+    expected = codec.select(expected_momentum, layout)
+    selected = codec.transform_select(parts, layout, momentum, beta=0.9, alpha=0.01)
+    assert torch.equal(momentum, expected_momentum)
+    for got, want in zip(selected, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_transform_and_select_gives_way_where_its_kernel_cannot_run(monkeypatch):
+    codec = DCTTopK(chunk=64, topk=4, wire="paper")
+    layout = codec.layout((64, 128))
+    momentum = torch.zeros(64, 128)
+    assert codec.transform_select([torch.randn(128, 64).T], layout, momentum, beta=0.5, alpha=1.0) is None
+    assert codec.transform_select([torch.randn(64, 128, dtype=torch.bfloat16)], layout,
+                                  momentum.to(torch.bfloat16), beta=0.5, alpha=1.0) is None
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    assert codec.transform_select([torch.randn(64, 128)], layout, momentum, beta=0.5, alpha=1.0) is None
+    assert torch.equal(momentum, torch.zeros(64, 128))

@@ -37,12 +37,14 @@ rounds either one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.dct import BlockLayout
 
-__all__ = ["block_topk", "group_rows", "kernel_group_rows"]
+__all__ = ["block_topk", "group_rows", "kernel_group_rows", "selection_kernels"]
 
 _MAX_GROUP = 8  # the candidates' top-k grows with g, the groups' shrinks: 8 measured fastest for
 # 64 x 64 blocks and k = 32 on the CPU (235 ms against 16's 265 and 4's 357; one round: 390)
@@ -69,6 +71,12 @@ def kernel_group_rows(layout: BlockLayout, k: int) -> int:
     return 1
 
 
+def selection_kernels(matrix: torch.Tensor) -> Any | None:
+    """lowcomm's CPU kernels (``torch.ops.lowcomm``) where the selection runs on them: a CPU
+    tensor, kernels built; else None (the torch rounds)."""
+    return cpu_kernels.ops() if matrix.device.type == "cpu" else None
+
+
 def block_topk(
     matrix: torch.Tensor, layout: BlockLayout, k: int, *, scratch: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,7 +87,7 @@ def block_topk(
     entries of the matrix's dtype) is work space for the torch single-round path, allocated
     when omitted."""
     matrix = matrix.view(layout.rows, layout.cols)
-    kernels = cpu_kernels.ops() if matrix.device.type == "cpu" else None
+    kernels = selection_kernels(matrix)
     if kernels is not None:  # (a view with strides is copied: the kernel reads rows along memory)
         return kernels.block_topk(matrix.contiguous(), layout.chunk_rows, layout.chunk_cols, k,
                                   kernel_group_rows(layout, k))

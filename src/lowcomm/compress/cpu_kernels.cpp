@@ -87,76 +87,99 @@ struct Geometry {
   int64_t cols, chunk_rows, chunk_cols, k, group;
 };
 
+// select_blocks' work space, kept across calls by each thread.
 template <typename T>
-void select_block_rows(const T* data, const Geometry& g, int64_t first, int64_t last, int64_t* index,
-                       int64_t* positions, T* values) {
+struct Selection {
+  std::vector<Key<T>> maxima, ranked;
+  std::vector<Candidate<Key<T>>> candidates;
+};
+
+// The blocks [bc_first, bc_last) of block row `block_row` of the rows x cols matrix at `data`:
+// each one's k entries into index, positions and values at (block_row * blocks_cols + bc) * k.
+template <typename T>
+void select_blocks(const T* data, const Geometry& g, int64_t block_row, int64_t bc_first, int64_t bc_last,
+                   int64_t* index, int64_t* positions, T* values, Selection<T>& s) {
   using K = Key<T>;
   const int64_t bands = g.chunk_rows / g.group;  // groups per column of a block
   const int64_t blocks_cols = g.cols / g.chunk_cols;
   const int64_t groups = bands * g.chunk_cols;  // per block
   const int64_t per_bin = groups / g.k;
-  std::vector<K> maxima(bands * g.cols), ranked(groups);
-  std::vector<Candidate<K>> candidates;
-  candidates.reserve(g.chunk_rows * g.chunk_cols);
+  const int64_t span = (bc_last - bc_first) * g.chunk_cols, left = bc_first * g.chunk_cols;
+  s.maxima.resize(bands * span);
+  s.ranked.resize(groups);
+  s.candidates.reserve(g.chunk_rows * g.chunk_cols);
+  K* maxima = s.maxima.data();
+  K* ranked = s.ranked.data();
+  auto& candidates = s.candidates;
 
-  for (int64_t block_row = first; block_row < last; ++block_row) {
-    const int64_t top = block_row * g.chunk_rows * g.cols;
-    // 1. group maxima, band by band, down the rows
-    for (int64_t band = 0; band < bands; ++band) {
-      K* out = maxima.data() + band * g.cols;
-      const T* row = data + top + band * g.group * g.cols;
-      for (int64_t c = 0; c < g.cols; ++c) out[c] = magnitude(row[c]);
-      for (int64_t t = 1; t < g.group; ++t) {
-        row += g.cols;
-        for (int64_t c = 0; c < g.cols; ++c) out[c] = std::max(out[c], magnitude(row[c]));
-      }
-    }
-    for (int64_t bc = 0; bc < blocks_cols; ++bc) {
-      const int64_t origin = top + bc * g.chunk_cols;
-      for (int64_t band = 0; band < bands; ++band)
-        std::copy_n(maxima.data() + band * g.cols + bc * g.chunk_cols, g.chunk_cols,
-                    ranked.data() + band * g.chunk_cols);
-      // 2. the k-th largest group maximum: a lower bound first, then exactly above it
-      K bound = std::numeric_limits<K>::max();
-      for (int64_t bin = 0; bin < g.k; ++bin) {
-        const K* begin = ranked.data() + bin * per_bin;
-        bound = std::min(bound, *std::max_element(begin, begin + per_bin));
-      }
-      int64_t kept = 0;
-      for (int64_t j = 0; j < groups; ++j) {
-        ranked[kept] = ranked[j];
-        kept += ranked[j] >= bound;
-      }
-      std::nth_element(ranked.begin(), ranked.begin() + (g.k - 1), ranked.begin() + kept, std::greater<K>());
-      const K threshold = ranked[g.k - 1];
-      // 3. the candidates: entries not below it, in groups whose maximum is not below it
-      candidates.clear();
-      for (int64_t band = 0; band < bands; ++band) {
-        const K* band_maxima = maxima.data() + band * g.cols + bc * g.chunk_cols;
-        for (int64_t c = 0; c < g.chunk_cols; ++c) {
-          if (band_maxima[c] < threshold) continue;
-          for (int64_t t = 0; t < g.group; ++t) {
-            const int64_t r = band * g.group + t;
-            const K m = magnitude(data[origin + r * g.cols + c]);
-            if (m >= threshold) candidates.push_back({m, static_cast<int32_t>(r * g.chunk_cols + c)});
-          }
-        }
-      }
-      // 4. the k first by rank, in index order
-      if (static_cast<int64_t>(candidates.size()) > g.k)
-        std::nth_element(candidates.begin(), candidates.begin() + (g.k - 1), candidates.end(), ranks_before<K>);
-      std::sort(candidates.begin(), candidates.begin() + g.k,
-                [](const Candidate<K>& a, const Candidate<K>& b) { return a.index < b.index; });
-      const int64_t out = (block_row * blocks_cols + bc) * g.k;
-      for (int64_t j = 0; j < g.k; ++j) {
-        const int64_t local = candidates[j].index;
-        const int64_t at = origin + (local / g.chunk_cols) * g.cols + local % g.chunk_cols;
-        index[out + j] = local;
-        positions[out + j] = at;
-        values[out + j] = data[at];
-      }
+  const int64_t top = block_row * g.chunk_rows * g.cols;
+  // 1. group maxima, band by band, down the rows
+  for (int64_t band = 0; band < bands; ++band) {
+    K* out = maxima + band * span;
+    const T* row = data + top + band * g.group * g.cols + left;
+    for (int64_t c = 0; c < span; ++c) out[c] = magnitude(row[c]);
+    for (int64_t t = 1; t < g.group; ++t) {
+      row += g.cols;
+      for (int64_t c = 0; c < span; ++c) out[c] = std::max(out[c], magnitude(row[c]));
     }
   }
+  for (int64_t bc = bc_first; bc < bc_last; ++bc) {
+    const int64_t origin = top + bc * g.chunk_cols;
+    for (int64_t band = 0; band < bands; ++band)
+      std::copy_n(maxima + band * span + (bc - bc_first) * g.chunk_cols, g.chunk_cols, ranked + band * g.chunk_cols);
+    // 2. the k-th largest group maximum: a lower bound first, then exactly above it
+    K bound = std::numeric_limits<K>::max();
+    for (int64_t bin = 0; bin < g.k; ++bin) {
+      const K* begin = ranked + bin * per_bin;
+      bound = std::min(bound, *std::max_element(begin, begin + per_bin));
+    }
+    int64_t kept = 0;
+    for (int64_t j = 0; j < groups; ++j) {
+      ranked[kept] = ranked[j];
+      kept += ranked[j] >= bound;
+    }
+    std::nth_element(ranked, ranked + (g.k - 1), ranked + kept, std::greater<K>());
+    const K threshold = ranked[g.k - 1];
+    // 3. the candidates: entries not below it, in groups whose maximum is not below it
+    candidates.clear();
+    for (int64_t band = 0; band < bands; ++band) {
+      const K* band_maxima = maxima + band * span + (bc - bc_first) * g.chunk_cols;
+      for (int64_t c = 0; c < g.chunk_cols; ++c) {
+        if (band_maxima[c] < threshold) continue;
+        for (int64_t t = 0; t < g.group; ++t) {
+          const int64_t r = band * g.group + t;
+          const K m = magnitude(data[origin + r * g.cols + c]);
+          if (m >= threshold) candidates.push_back({m, static_cast<int32_t>(r * g.chunk_cols + c)});
+        }
+      }
+    }
+    // 4. the k first by rank, in index order
+    if (static_cast<int64_t>(candidates.size()) > g.k)
+      std::nth_element(candidates.begin(), candidates.begin() + (g.k - 1), candidates.end(), ranks_before<K>);
+    std::sort(candidates.begin(), candidates.begin() + g.k,
+              [](const Candidate<K>& a, const Candidate<K>& b) { return a.index < b.index; });
+    const int64_t out = (block_row * blocks_cols + bc) * g.k;
+    for (int64_t j = 0; j < g.k; ++j) {
+      const int64_t local = candidates[j].index;
+      const int64_t at = origin + (local / g.chunk_cols) * g.cols + local % g.chunk_cols;
+      index[out + j] = local;
+      positions[out + j] = at;
+      values[out + j] = data[at];
+    }
+  }
+}
+
+// The checks of a top-k of every chunk_rows x chunk_cols block of a rows x cols matrix.
+void check_selection(const char* op, int64_t rows, int64_t cols, int64_t chunk_rows, int64_t chunk_cols, int64_t k,
+                     int64_t group) {
+  TORCH_CHECK(chunk_rows >= 1 && chunk_cols >= 1 && rows % chunk_rows == 0 && cols % chunk_cols == 0, op,
+              ": blocks of ", chunk_rows, " x ", chunk_cols, " do not tile ", rows, " x ", cols);
+  TORCH_CHECK(group >= 1 && chunk_rows % group == 0, op, ": group ", group, " does not divide the block height ",
+              chunk_rows);
+  TORCH_CHECK(chunk_rows * chunk_cols <= std::numeric_limits<int32_t>::max(), op, ": blocks of ", chunk_rows, " x ",
+              chunk_cols, " have more entries than a 32-bit block-local index holds");
+  TORCH_CHECK(k >= 1 && k <= (chunk_rows / group) * chunk_cols, op, ": k = ", k, " needs at least k groups of ", group,
+              " rows per block, there are ", (chunk_rows / group) * chunk_cols);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_topk(const at::Tensor& matrix, int64_t chunk_rows,
@@ -164,14 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_topk(const at::Tensor& matr
   TORCH_CHECK(matrix.device().is_cpu(), "lowcomm::block_topk: a CPU tensor, got one on ", matrix.device());
   TORCH_CHECK(matrix.dim() == 2 && matrix.is_contiguous(), "lowcomm::block_topk: a contiguous rows x cols matrix");
   const int64_t rows = matrix.size(0), cols = matrix.size(1);
-  TORCH_CHECK(chunk_rows >= 1 && chunk_cols >= 1 && rows % chunk_rows == 0 && cols % chunk_cols == 0,
-              "lowcomm::block_topk: blocks of ", chunk_rows, " x ", chunk_cols, " do not tile ", rows, " x ", cols);
-  TORCH_CHECK(group >= 1 && chunk_rows % group == 0, "lowcomm::block_topk: group ", group,
-              " does not divide the block height ", chunk_rows);
-  TORCH_CHECK(chunk_rows * chunk_cols <= std::numeric_limits<int32_t>::max(), "lowcomm::block_topk: blocks of ",
-              chunk_rows, " x ", chunk_cols, " have more entries than a 32-bit block-local index holds");
-  TORCH_CHECK(k >= 1 && k <= (chunk_rows / group) * chunk_cols, "lowcomm::block_topk: k = ", k,
-              " needs at least k groups of ", group, " rows per block, there are ", (chunk_rows / group) * chunk_cols);
+  check_selection("lowcomm::block_topk", rows, cols, chunk_rows, chunk_cols, k, group);
   const int64_t blocks = (rows / chunk_rows) * (cols / chunk_cols);
   auto index = at::empty({blocks, k}, matrix.options().dtype(at::kLong));
   auto positions = at::empty({blocks, k}, matrix.options().dtype(at::kLong));
@@ -183,7 +199,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_topk(const at::Tensor& matr
     int64_t* positions_out = positions.mutable_data_ptr<int64_t>();
     scalar_t* values_out = values.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows / chunk_rows, 1, [&](int64_t first, int64_t last) {
-      select_block_rows<scalar_t>(data, geometry, first, last, index_out, positions_out, values_out);
+      Selection<scalar_t> selection;
+      for (int64_t block_row = first; block_row < last; ++block_row)
+        select_blocks<scalar_t>(data, geometry, block_row, 0, cols / chunk_cols, index_out, positions_out, values_out,
+                                selection);
     });
   });
   return {index, positions, values};
@@ -790,6 +809,55 @@ void dct_blocks(at::TensorList parts, at::TensorList targets, int64_t cols, int6
   });
 }
 
+// target = beta * target + alpha * P(parts) as dct_blocks does (one target, rows x cols), and the
+// top-k of every block of the new target as block_topk selects it, each tile selected while it is
+// still in cache from its transform: the selection reads no memory the transform did not write.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dct_blocks_topk(at::TensorList parts, const at::Tensor& target,
+                                                               int64_t chunk_rows, int64_t chunk_cols, double beta,
+                                                               double alpha, int64_t k, int64_t group) {
+  TORCH_CHECK(!parts.empty(), "lowcomm::dct_blocks_topk: no parts");
+  TORCH_CHECK(target.device().is_cpu() && target.dim() == 2 && target.is_contiguous(),
+              "lowcomm::dct_blocks_topk: the target must be a contiguous rows x cols CPU tensor");
+  TORCH_CHECK(target.scalar_type() == at::kFloat || target.scalar_type() == at::kDouble,
+              "lowcomm::dct_blocks_topk: float32 or float64, got ", target.scalar_type());
+  const int64_t rows = target.size(0), cols = target.size(1);
+  check_selection("lowcomm::dct_blocks_topk", rows, cols, chunk_rows, chunk_cols, k, group);
+  const int64_t blocks = (rows / chunk_rows) * (cols / chunk_cols);
+  auto index = at::empty({blocks, k}, target.options().dtype(at::kLong));
+  auto positions = at::empty({blocks, k}, target.options().dtype(at::kLong));
+  auto values = at::empty({blocks, k}, target.options());
+  AT_DISPATCH_FLOATING_TYPES(target.scalar_type(), "lowcomm::dct_blocks_topk", [&] {
+    const int64_t slab = chunk_rows * cols;
+    const auto sources = block_row_starts<scalar_t, const scalar_t*>(parts, slab, "part", target);
+    TORCH_CHECK(static_cast<int64_t>(sources.size()) == rows / chunk_rows, "lowcomm::dct_blocks_topk: the parts hold ",
+                sources.size(), " block rows, the target ", rows / chunk_rows);
+    const DownPlan<scalar_t>* down = chunk_rows > 1 ? &plan_for<DownPlan<scalar_t>>(chunk_rows) : nullptr;
+    const AcrossPlan<scalar_t>* across = chunk_cols > 1 ? &plan_for<AcrossPlan<scalar_t>>(chunk_cols) : nullptr;
+    const int64_t blocks_cols = cols / chunk_cols;
+    const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
+    const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
+    const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
+    const Geometry selecting{cols, chunk_rows, chunk_cols, k, group};
+    const Emit emit{beta, alpha, false};
+    scalar_t* data = target.mutable_data_ptr<scalar_t>();
+    int64_t* index_out = index.mutable_data_ptr<int64_t>();
+    int64_t* positions_out = positions.mutable_data_ptr<int64_t>();
+    scalar_t* values_out = values.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(sources.size()) * tiles, 1, [&](int64_t first, int64_t last) {
+      TileTransform<scalar_t> transform(geometry, false, emit, down, across);
+      Selection<scalar_t> selection;
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t block_row = task / tiles, tile = task % tiles;
+        transform.run(sources[block_row], data + block_row * slab, tile);
+        select_blocks<scalar_t>(data, selecting, block_row, tile * tile_blocks,
+                                std::min(blocks_cols, (tile + 1) * tile_blocks), index_out, positions_out, values_out,
+                                selection);
+      }
+    });
+  });
+  return {index, positions, values};
+}
+
 // targets += alpha * f(P^-1(Q)), Q the mean over the workers that sent each coefficient of
 // their payloads (index, values: W x num_blocks x k, block-local indices; DeMo's aggregate), P
 // the block DCT-II of the rows x cols matrix the targets make row over row, f the sign or nothing.
@@ -835,6 +903,8 @@ TORCH_LIBRARY(lowcomm, m) {
   m.def("block_topk(Tensor matrix, int chunk_rows, int chunk_cols, int k, int group) -> (Tensor, Tensor, Tensor)");
   m.def("dct_blocks(Tensor[] parts, Tensor(a!)[] targets, int cols, int chunk_rows, int chunk_cols, bool inverse, "
         "float beta, float alpha) -> ()");
+  m.def("dct_blocks_topk(Tensor[] parts, Tensor(a!) target, int chunk_rows, int chunk_cols, float beta, "
+        "float alpha, int k, int group) -> (Tensor, Tensor, Tensor)");
   m.def("dct_gathered_update(Tensor index, Tensor values, Tensor(a!)[] targets, int cols, int chunk_rows, "
         "int chunk_cols, float alpha, bool sign) -> ()");
 }
@@ -842,5 +912,6 @@ TORCH_LIBRARY(lowcomm, m) {
 TORCH_LIBRARY_IMPL(lowcomm, CPU, m) {
   m.impl("block_topk", &block_topk);
   m.impl("dct_blocks", &dct_blocks);
+  m.impl("dct_blocks_topk", &dct_blocks_topk);
   m.impl("dct_gathered_update", &dct_gathered_update);
 }

@@ -37,8 +37,9 @@ import math
 
 import torch
 
+from lowcomm.compress import cpu_kernels
 from lowcomm.compress.base import Payload
-from lowcomm.compress.block_topk import block_topk
+from lowcomm.compress.block_topk import block_topk, kernel_group_rows, selection_kernels
 from lowcomm.compress.dct import BlockLayout, dct_bases, dct_kernels, dct_transform
 from lowcomm.compress.registry import register_codec
 
@@ -197,6 +198,22 @@ class DCTTopK:
         among equal magnitudes at the k-th place its choice is unspecified, as torch.topk's is).
         ``scratch`` (``numel`` entries of the coefficients' dtype) is its work space."""
         return block_topk(coefficients, layout, self.kept_per_block(layout), scratch=scratch)
+
+    def transform_select(
+        self, parts: list[torch.Tensor], layout: BlockLayout, momentum: torch.Tensor, *, beta: float, alpha: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``momentum = beta * momentum + alpha * P(parts)`` (P the block DCT-II,
+        :func:`~lowcomm.compress.dct.dct_transform`; ``parts`` the row blocks of the ``rows x
+        cols`` matrix, top to bottom) and :meth:`select` of the new momentum, as one CPU kernel
+        that selects each tile of blocks while it is in cache from its transform, so the
+        selection reads no memory the transform did not just write. Same results as the two
+        calls. None, with nothing done, where that kernel cannot run (another device or dtype, a
+        tensor that is not contiguous, the kernels or their selection turned off)."""
+        if dct_kernels([*parts, momentum]) is None or selection_kernels(momentum) is None:
+            return None
+        k = self.kept_per_block(layout)
+        return cpu_kernels.ops().dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols), layout.chunk_rows,
+                                                 layout.chunk_cols, beta, alpha, k, kernel_group_rows(layout, k))
 
     def pack(self, index: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> Payload:
         """The payload for the ``index`` and ``values`` from :meth:`select`, in this codec's

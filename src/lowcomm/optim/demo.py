@@ -390,9 +390,14 @@ class DeMo(torch.optim.Optimizer):
                 torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
             grads = [param.grad for param in params]
             decay = group["compression_decay"]
+            selected = None
             if self._momentum_in_coefficients:
-                # momentum <- decay * momentum + lr * P(grad), accumulated by the transform itself
-                self._transform(grads, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
+                # momentum <- decay * momentum + lr * P(grad), accumulated by the transform itself;
+                # on the CPU kernels with the top-k of each tile taken while it is in cache
+                if self.projection == "dct":
+                    selected = self.codec.transform_select(grads, layout, momentum, beta=decay, alpha=lr)
+                if selected is None:
+                    self._transform(grads, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
                 self._momenta_ready(stack, momentum, bases)
                 coefficients = momentum
             else:
@@ -402,7 +407,7 @@ class DeMo(torch.optim.Optimizer):
                 coefficients = self._transform(momentum, layout, bases, out=work, scratch=scratch)
 
         with record_function("DeMo.topk"):
-            index, positions, values = self.codec.select(coefficients, layout, scratch=scratch)
+            index, positions, values = selected or self.codec.select(coefficients, layout, scratch=scratch)
             payloads = [self.codec.pack(index[first:last], values[first:last], part)
                         for part, (first, last) in zip(stack.layouts, stack.block_spans(), strict=True)]
             if alpha:
