@@ -9,11 +9,15 @@ all-gather is a local copy).
 Step times come from one process where every optimizer steps the same parameters in turn,
 ``--steps`` rounds after one warm-up step each: a change in machine load hits all of them
 alike, and each ratio column is the median of the per-round ratios to AdamW (the default
-for-loop one, and fused). In the same rounds, the two dense block DCTs a DeMo step needs (forward
-of the gradient, inverse of the aggregate: four matrix products per parameter) are timed alone:
-the floor of any DeMo step that transforms by matrix products. DeMo's phases come
-from one extra step under torch.profiler (``record_function`` ranges in ``DeMo.step``; the
-profiler adds a little overhead). Peak memory comes from a fresh process per optimizer: the peak
+for-loop one, and fused). In the same rounds, the two block DCTs of a step (forward of each
+gradient, inverse of a dense result) are timed alone as matrix products (``block_transform``:
+four per parameter, what a DeMo step costs on a device without lowcomm's kernels) and as
+``dct_transform`` (on the CPU, lowcomm's DCT kernel). DeMo's phases come from one extra step
+under torch.profiler (``record_function`` ranges in ``DeMo.step``; the profiler adds a little
+overhead). On the CPU kernels, ``transform`` includes the top-k (each tile is selected while it
+is in cache from its transform) and ``decode`` the update (the aggregate is gathered per tile and
+its inverse written straight into the parameters), so ``topk`` is the payload's packing and
+the subtraction of what was sent, and ``update`` is empty. Peak memory comes from a fresh process per optimizer: the peak
 resident set of two steps above the parameters and gradients, state included (Linux VmHWM,
 reset through /proc/self/clear_refs; on CUDA, torch's peak allocation).
 
@@ -56,7 +60,8 @@ OPTIMIZERS = {
     "demo_param_domain": "DeMo, parameter-domain momentum",
 }
 DEFAULT_OPTIMIZERS = ["adamw", "adamw_fused", "demo", "demo_param_domain"]
-FLOOR = "dense_dct"  # the two dense block DCTs of a step alone, timed beside the optimizers
+# the two block DCTs of a step alone, timed beside the optimizers: as matrix products, as dct_transform
+FLOORS = {"dense_dct": "block DCT as matrix products (fwd + inv)", "kernel_dct": "block DCT, dct_transform (fwd + inv)"}
 
 
 def shapes(layers: int, embedding: bool) -> list[tuple[int, int]]:
@@ -129,12 +134,13 @@ def peak_memory(name: str, layers: int, embedding: bool, threads: int, device: s
     return (peak - base) / 1e6
 
 
-def _dense_transforms(params):
+def _transforms(params, kernel: bool):
     """A step-like callable: the forward block DCT of every gradient and the inverse of the
-    result, into work space allocated once (DeMo's chunk 64), as DeMo computes them."""
+    result (DeMo's chunk 64), into work space allocated once, as matrix products
+    (``block_transform``) or as ``dct_transform`` (``kernel``: the CPU kernel where it runs)."""
     import torch
 
-    from lowcomm.compress.dct import block_transform
+    from lowcomm.compress.dct import block_transform, dct_transform
     from lowcomm.compress.dct_topk import DCTTopK
 
     codec = DCTTopK(chunk=64)
@@ -144,8 +150,12 @@ def _dense_transforms(params):
     def step() -> None:
         for param in params:
             layout = codec.layout(param.shape)
-            bases = codec.bases(layout, param.device, param.dtype)
             size = param.numel()
+            if kernel:
+                dct_transform(param.grad, layout, out=out[:size], scratch=scratch[:size])
+                dct_transform(out[:size], layout, inverse=True, out=back[:size], scratch=scratch[:size])
+                continue
+            bases = codec.bases(layout, param.device, param.dtype)
             block_transform(param.grad, layout, *bases, out=out[:size], scratch=scratch[:size])
             block_transform(out[:size], layout, *bases, inverse=True, out=back[:size], scratch=scratch[:size])
 
@@ -162,7 +172,8 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
 
     params = _setup(layers, embedding, threads, device)
     steppers = {name: _optimizer(name, params, bucket_numel).step for name in names}
-    steppers[FLOOR] = _dense_transforms(params)
+    steppers["dense_dct"] = _transforms(params, kernel=False)
+    steppers["kernel_dct"] = _transforms(params, kernel=True)
     for step in steppers.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steppers}
@@ -173,7 +184,7 @@ def step_times(names: list[str], layers: int, embedding: bool, steps: int, threa
             step()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    optimizers = {name: step.__self__ for name, step in steppers.items() if name != FLOOR}
+    optimizers = {name: step.__self__ for name, step in steppers.items() if name not in FLOORS}
     phases, calls = {}, {}
     for name in names:
         if name.startswith("demo"):
@@ -285,8 +296,8 @@ def main() -> None:
     header = f"{'optimizer':<38} {'step ms':>9} {'x AdamW':>8} {'x fused':>8} {'peak extra MB':>14}"
     print(header)
     print("-" * len(header))
-    labels = {**OPTIMIZERS, FLOOR: "dense DCT alone (fwd + inv, no top-k)"}
-    for name in [*args.optimizers, FLOOR]:
+    labels = {**OPTIMIZERS, **FLOORS}
+    for name in [*args.optimizers, *FLOORS]:
         ratios = [_ratio(times, name, reference) for reference in ("adamw", "adamw_fused")]
         step_ms = statistics.median(times[name]) * 1e3
         peak = f"{memory[name]:.0f}" if name in memory else "-"

@@ -22,7 +22,7 @@ elementwise (the rest).
 
 A method the registry cannot build at W=1 (FlexDeMo shards inside a node and replicates across
 nodes: it needs ranks of both) is listed with the reason. DeMo's own phases, finer (transform,
-top-k, decode), and its dense-DCT floor are benchmarks/demo_step.py's.
+top-k, decode), and its block-DCT floors are benchmarks/demo_step.py's.
 """
 
 from __future__ import annotations

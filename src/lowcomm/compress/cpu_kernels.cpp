@@ -72,17 +72,6 @@ inline Key<T> magnitude(T value) {
   return bits & (std::numeric_limits<Key<T>>::max() >> 1);  // the sign bit cleared
 }
 
-template <typename K>
-struct Candidate {
-  K magnitude;
-  int32_t index;  // block-local, row-major
-};
-
-template <typename K>
-inline bool ranks_before(const Candidate<K>& a, const Candidate<K>& b) {
-  return a.magnitude > b.magnitude || (a.magnitude == b.magnitude && a.index < b.index);
-}
-
 struct Geometry {
   int64_t cols, chunk_rows, chunk_cols, k, group;
 };
@@ -90,43 +79,62 @@ struct Geometry {
 // select_blocks' work space, kept across calls by each thread.
 template <typename T>
 struct Selection {
-  std::vector<Key<T>> maxima, ranked;
-  std::vector<Candidate<Key<T>>> candidates;
+  std::vector<Key<T>> maxima, ranked, keys;
+  std::vector<int32_t> groups, columns, locals;
+  std::vector<uint64_t> bitmap;  // one bit per entry of a block, all zero between blocks
 };
 
-// The blocks [bc_first, bc_last) of block row `block_row` of the rows x cols matrix at `data`:
-// each one's k entries into index, positions and values at (block_row * blocks_cols + bc) * k.
+// The blocks [bc_first, bc_last) of block row `block_row` of a rows x cols matrix (g.cols wide):
+// each one's k entries into index, positions (in that matrix) and values at (block_row *
+// blocks_cols + bc) * k. The entries are read from `span`: the block row's columns from block
+// bc_first on, rows `ld` apart (the matrix itself, or a copy of those blocks in cache).
 template <typename T>
-void select_blocks(const T* data, const Geometry& g, int64_t block_row, int64_t bc_first, int64_t bc_last,
+void select_blocks(const T* span, int64_t ld, const Geometry& g, int64_t block_row, int64_t bc_first, int64_t bc_last,
                    int64_t* index, int64_t* positions, T* values, Selection<T>& s) {
   using K = Key<T>;
   const int64_t bands = g.chunk_rows / g.group;  // groups per column of a block
   const int64_t blocks_cols = g.cols / g.chunk_cols;
   const int64_t groups = bands * g.chunk_cols;  // per block
   const int64_t per_bin = groups / g.k;
-  const int64_t span = (bc_last - bc_first) * g.chunk_cols, left = bc_first * g.chunk_cols;
-  s.maxima.resize(bands * span);
+  const int64_t width = (bc_last - bc_first) * g.chunk_cols;
+  s.maxima.resize(bands * width);
   s.ranked.resize(groups);
-  s.candidates.reserve(g.chunk_rows * g.chunk_cols);
+  s.groups.resize(groups);
+  s.columns.resize(groups);
+  s.keys.resize(g.chunk_rows * g.chunk_cols);
+  s.locals.resize(g.chunk_rows * g.chunk_cols);
+  s.bitmap.resize((g.chunk_rows * g.chunk_cols + 63) / 64);
   K* maxima = s.maxima.data();
   K* ranked = s.ranked.data();
-  auto& candidates = s.candidates;
 
   const int64_t top = block_row * g.chunk_rows * g.cols;
-  // 1. group maxima, band by band, down the rows
+  // 1. group maxima, band by band, down the rows: 16 columns at a time, their maxima held in a
+  // register down the group's rows (not stored and reloaded once per row)
+  constexpr int64_t kColumns = 16;
   for (int64_t band = 0; band < bands; ++band) {
-    K* out = maxima + band * span;
-    const T* row = data + top + band * g.group * g.cols + left;
-    for (int64_t c = 0; c < span; ++c) out[c] = magnitude(row[c]);
-    for (int64_t t = 1; t < g.group; ++t) {
-      row += g.cols;
-      for (int64_t c = 0; c < span; ++c) out[c] = std::max(out[c], magnitude(row[c]));
+    K* out = maxima + band * width;
+    const T* rows = span + band * g.group * ld;
+    int64_t c = 0;
+    for (; c + kColumns <= width; c += kColumns) {
+      K m[kColumns];
+      for (int64_t j = 0; j < kColumns; ++j) m[j] = magnitude(rows[c + j]);
+      for (int64_t t = 1; t < g.group; ++t) {
+        const T* row = rows + t * ld + c;
+        for (int64_t j = 0; j < kColumns; ++j) m[j] = std::max(m[j], magnitude(row[j]));
+      }
+      std::copy_n(m, kColumns, out + c);
+    }
+    for (; c < width; ++c) {
+      K m = magnitude(rows[c]);
+      for (int64_t t = 1; t < g.group; ++t) m = std::max(m, magnitude(rows[t * ld + c]));
+      out[c] = m;
     }
   }
   for (int64_t bc = bc_first; bc < bc_last; ++bc) {
-    const int64_t origin = top + bc * g.chunk_cols;
+    const int64_t origin = top + bc * g.chunk_cols;       // in the matrix
+    const T* block = span + (bc - bc_first) * g.chunk_cols;  // where it is read
     for (int64_t band = 0; band < bands; ++band)
-      std::copy_n(maxima + band * span + (bc - bc_first) * g.chunk_cols, g.chunk_cols, ranked + band * g.chunk_cols);
+      std::copy_n(maxima + band * width + (bc - bc_first) * g.chunk_cols, g.chunk_cols, ranked + band * g.chunk_cols);
     // 2. the k-th largest group maximum: a lower bound first, then exactly above it
     K bound = std::numeric_limits<K>::max();
     for (int64_t bin = 0; bin < g.k; ++bin) {
@@ -140,31 +148,50 @@ void select_blocks(const T* data, const Geometry& g, int64_t block_row, int64_t 
     }
     std::nth_element(ranked, ranked + (g.k - 1), ranked + kept, std::greater<K>());
     const K threshold = ranked[g.k - 1];
-    // 3. the candidates: entries not below it, in groups whose maximum is not below it
-    candidates.clear();
+    // 3. the candidates: entries not below it, in groups whose maximum is not below it (both
+    // gathered without a branch on the data: the compactions below write every entry and
+    // advance over the kept ones)
+    int64_t chosen = 0;
     for (int64_t band = 0; band < bands; ++band) {
-      const K* band_maxima = maxima + band * span + (bc - bc_first) * g.chunk_cols;
+      const K* band_maxima = maxima + band * width + (bc - bc_first) * g.chunk_cols;
       for (int64_t c = 0; c < g.chunk_cols; ++c) {
-        if (band_maxima[c] < threshold) continue;
-        for (int64_t t = 0; t < g.group; ++t) {
-          const int64_t r = band * g.group + t;
-          const K m = magnitude(data[origin + r * g.cols + c]);
-          if (m >= threshold) candidates.push_back({m, static_cast<int32_t>(r * g.chunk_cols + c)});
-        }
+        s.groups[chosen] = static_cast<int32_t>(band * g.group);  // its first row
+        s.columns[chosen] = static_cast<int32_t>(c);
+        chosen += band_maxima[c] >= threshold;
       }
     }
-    // 4. the k first by rank, in index order
-    if (static_cast<int64_t>(candidates.size()) > g.k)
-      std::nth_element(candidates.begin(), candidates.begin() + (g.k - 1), candidates.end(), ranks_before<K>);
-    std::sort(candidates.begin(), candidates.begin() + g.k,
-              [](const Candidate<K>& a, const Candidate<K>& b) { return a.index < b.index; });
-    const int64_t out = (block_row * blocks_cols + bc) * g.k;
-    for (int64_t j = 0; j < g.k; ++j) {
-      const int64_t local = candidates[j].index;
-      const int64_t at = origin + (local / g.chunk_cols) * g.cols + local % g.chunk_cols;
-      index[out + j] = local;
-      positions[out + j] = at;
-      values[out + j] = data[at];
+    int64_t n = 0;
+    for (int64_t j = 0; j < chosen; ++j) {
+      const int64_t first = s.groups[j], c = s.columns[j];
+      const T* entry = block + first * ld + c;
+      for (int64_t t = 0; t < g.group; ++t) {
+        const K m = magnitude(entry[t * ld]);
+        s.keys[n] = m;
+        s.locals[n] = static_cast<int32_t>((first + t) * g.chunk_cols + c);
+        n += m >= threshold;
+      }
+    }
+    // 4. the k first by (magnitude descending, index ascending): a candidate's rank is the number
+    // ranked before it, counted against all the others (a few dozen: compares, not branches);
+    // the kept ones are marked in a bitmap of the block, read back in index order
+    for (int64_t i = 0; i < n; ++i) {
+      const K key = s.keys[i];
+      const int32_t local = s.locals[i];
+      int64_t rank = 0;
+      for (int64_t j = 0; j < n; ++j)
+        rank += (s.keys[j] > key) | ((s.keys[j] == key) & (s.locals[j] < local));
+      s.bitmap[local >> 6] |= static_cast<uint64_t>(rank < g.k) << (local & 63);
+    }
+    int64_t out = (block_row * blocks_cols + bc) * g.k;
+    for (size_t word = 0; word < s.bitmap.size(); ++word) {
+      for (uint64_t bits = s.bitmap[word]; bits; bits &= bits - 1) {
+        const int64_t local = static_cast<int64_t>(word * 64) + __builtin_ctzll(bits);
+        const int64_t r = local / g.chunk_cols, c = local % g.chunk_cols;
+        index[out] = local;
+        positions[out] = origin + r * g.cols + c;
+        values[out++] = block[r * ld + c];
+      }
+      s.bitmap[word] = 0;
     }
   }
 }
@@ -201,7 +228,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_topk(const at::Tensor& matr
     at::parallel_for(0, rows / chunk_rows, 1, [&](int64_t first, int64_t last) {
       Selection<scalar_t> selection;
       for (int64_t block_row = first; block_row < last; ++block_row)
-        select_blocks<scalar_t>(data, geometry, block_row, 0, cols / chunk_cols, index_out, positions_out, values_out,
+        select_blocks<scalar_t>(data + block_row * chunk_rows * cols, cols, geometry, block_row, 0, cols / chunk_cols,
+                                index_out, positions_out, values_out,
                                 selection);
     });
   });
@@ -587,22 +615,25 @@ struct Emit {
 };
 
 // target = beta * target + alpha * f(y) for `rows` rows of `width` (target's `ld` apart, y's
-// `width` apart), f the sign or nothing; beta = 0 does not read the target (BLAS's rule).
+// `width` apart), f the sign or nothing; beta = 0 does not read the target (BLAS's rule). With
+// `keep`, y is overwritten with what was written (a copy in cache of the new target). Each sum is
+// one explicit fused multiply-add, so every caller rounds alike whatever the compiler contracts.
 template <typename T>
-void emit_rows(const Emit& emit, const T* y, int64_t rows, int64_t width, T* target, int64_t ld) {
+void emit_rows(const Emit& emit, T* y, int64_t rows, int64_t width, T* target, int64_t ld, bool keep = false) {
   const T beta = static_cast<T>(emit.beta), alpha = static_cast<T>(emit.alpha);
   for (int64_t r = 0; r < rows; ++r) {
     T* o = target + r * ld;
-    const T* v = y + r * width;
+    T* v = y + r * width;
     if (emit.sign) {
-      for (int64_t c = 0; c < width; ++c) o[c] = beta * o[c] + alpha * signum(v[c]);
+      for (int64_t c = 0; c < width; ++c) o[c] = std::fma(alpha, signum(v[c]), beta * o[c]);
     } else if (beta == T(0)) {
       for (int64_t c = 0; c < width; ++c) o[c] = alpha * v[c];
     } else if (beta == T(1)) {
-      for (int64_t c = 0; c < width; ++c) o[c] += alpha * v[c];
+      for (int64_t c = 0; c < width; ++c) o[c] = std::fma(alpha, v[c], o[c]);
     } else {
-      for (int64_t c = 0; c < width; ++c) o[c] = beta * o[c] + alpha * v[c];
+      for (int64_t c = 0; c < width; ++c) o[c] = std::fma(alpha, v[c], beta * o[c]);
     }
+    if (keep) std::copy_n(o, width, v);
   }
 }
 
@@ -640,6 +671,18 @@ class TileTransform {
   void run(const T* source, T* target, int64_t tile) {
     const int64_t first = tile * g_.tile_blocks * g_.chunk_cols;
     transform(source + first, g_.cols, target + first, tile_blocks(tile));
+  }
+
+  // run(), then select_blocks of the tile's new target values, read from the copy of them the
+  // emit leaves in cache (`selecting`: the target's geometry, k and rows per group).
+  void run_selecting(const T* source, T* target, int64_t tile, const Geometry& selecting, int64_t block_row,
+                     int64_t* index, int64_t* positions, T* values, Selection<T>& selection) {
+    const int64_t first = tile * g_.tile_blocks * g_.chunk_cols, blocks = tile_blocks(tile);
+    keep_ = true;
+    transform(source + first, g_.cols, target + first, blocks);
+    keep_ = false;
+    select_blocks<T>(result_, blocks * g_.chunk_cols, selecting, block_row, tile * g_.tile_blocks,
+                     tile * g_.tile_blocks + blocks, index, positions, values, selection);
   }
 
   // The inverse of tile `tile` of block row `block_row` into `target`'s (the block row's start),
@@ -714,7 +757,7 @@ class TileTransform {
         if (down_) inverse_down(*down_, stage_, width, width, result_, work_);
       }
     }
-    emit_rows(emit_, result_, R, width, target, cols);
+    emit_rows(emit_, result_, R, width, target, cols, keep_);
   }
 
   // The nonzero coefficients of each of the tile's `blocks` blocks (rows `ld` apart), row by
@@ -754,6 +797,7 @@ class TileTransform {
   const DownPlan<T>* down_;
   const AcrossPlan<T>* across_;
   int64_t rank_limit_;
+  bool keep_ = false;
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
   T *stage_, *result_, *gathered_, *senders_, *work_, *small_;
   std::vector<int64_t> at_row_, at_col_, counts_;
@@ -848,10 +892,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dct_blocks_topk(at::TensorList pa
       Selection<scalar_t> selection;
       for (int64_t task = first; task < last; ++task) {
         const int64_t block_row = task / tiles, tile = task % tiles;
-        transform.run(sources[block_row], data + block_row * slab, tile);
-        select_blocks<scalar_t>(data, selecting, block_row, tile * tile_blocks,
-                                std::min(blocks_cols, (tile + 1) * tile_blocks), index_out, positions_out, values_out,
-                                selection);
+        transform.run_selecting(sources[block_row], data + block_row * slab, tile, selecting, block_row, index_out,
+                                positions_out, values_out, selection);
       }
     });
   });
