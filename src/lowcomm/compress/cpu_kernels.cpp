@@ -582,6 +582,36 @@ void inverse_across(const AcrossPlan<T>& plan, const T* y, int64_t ld, int64_t r
   }
 }
 
+// inverse_across for a block with many nonzero coefficients: the same sums as matrix products,
+// a = y_r[even] E and b = y_r[odd] O for all rows at once. `work` holds rows x size.
+template <typename T>
+void inverse_across_dense(const AcrossPlan<T>& plan, const T* y, int64_t ld, int64_t rows, T* out, int64_t out_ld,
+                          T* work) {
+  const int64_t size = plan.size, h = size / 2;
+  if (!plan.split) {
+    combine_rows(y, ld, 1, rows, size, plan.full.data(), size, size, out, out_ld);
+    return;
+  }
+  T* a = work;
+  T* b = work + rows * h;
+  combine_rows(y, ld, 2, rows, h, plan.even.data(), h, h, a, h);
+  combine_rows(y + 1, ld, 2, rows, h, plan.odd.data(), h, h, b, h);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < h; ++i) {
+      out[r * out_ld + i] = a[r * h + i] + b[r * h + i];
+      out[r * out_ld + size - 1 - i] = a[r * h + i] - b[r * h + i];
+    }
+}
+
+// The number of nonzero entries of a block (rows `ld` apart).
+template <typename T>
+int64_t count_nonzero(const T* block, int64_t ld, int64_t rows, int64_t width) {
+  int64_t count = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; ++c) count += block[r * ld + c] != T(0);
+  return count;
+}
+
 // X = L^T Y R for a block Y of `count` nonzero coefficients v_j at (r_j, c_j), as one product:
 // X[r][c] = sum_j (v_j L[r_j][r]) R[c_j][c]. Up to about 1.5 x 64 of them in a 64 x 64 block
 // that is fewer multiply-adds than the inverse's two directions. `work` holds count x (rows +
@@ -749,7 +779,12 @@ class TileTransform {
         for (int64_t b = 0; b < blocks; ++b) {
           T* out = down_ ? stage_ + b * C : result_ + b * C;
           if (across_) {
-            inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
+            // by rows, skipping zeros, up to 8 nonzero coefficients per row; else as products
+            if (count_nonzero(source + b * C, ld, R, C) > R * 8) {
+              inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
+            } else {
+              inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
+            }
           } else {
             for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
           }
