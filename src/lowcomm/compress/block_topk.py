@@ -26,9 +26,10 @@ The rounds pay when ``k g`` is well below the block's size; otherwise (and for b
 high, whose groups would be single entries) it is ``torch.topk`` on the gathered blocks.
 
 **On the CPU** the same selection runs as one C++ kernel (:mod:`lowcomm.compress.cpu_kernels`:
-one pass along memory, one selection per block while it sits in cache; 80 ms against 280-360 for
-the rounds above on 117M parameters), when it is built; the rounds are the path on every other
-device and without it. Both return each block's entries in ascending block-local index, so
+one pass along memory, one selection per block while it sits in cache; 57 ms against 280-360 for
+the rounds above on 117M parameters; in DeMo's encode it runs inside the transform's kernel,
+:meth:`~lowcomm.compress.dct_topk.DCTTopK.transform_select`), when it is built; the rounds are
+the path on every other device and without it (:func:`selection_kernels` says which). Both return each block's entries in ascending block-local index, so
 where the magnitudes are distinct the payloads, and every sum over them (the ``sign`` wire's
 mean magnitude, SparseLoCo's code tables), are the same on either path. At a tie for the k-th
 place (exact ties are rare in float32, common in bf16) the kernel keeps the lower index and the

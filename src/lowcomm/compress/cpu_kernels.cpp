@@ -11,12 +11,14 @@
 //      rows, along memory);
 //   2. per block, a lower bound of its k-th largest group maximum, the least of k bins' maxima
 //      (each bin holds one at least that large), then that k-th largest maximum m exactly,
-//      by nth_element over the maxima not below the bound (a few dozen, not hundreds);
+//      by nth_element over the maxima not below the bound;
 //   3. the entries not below m of the groups whose maximum is not below m: they include the
 //      block's k largest (m is at most the k-th largest entry: the k groups above it hold k
-//      distinct entries at least m), and at least k of them;
-//   4. nth_element of those candidates by (magnitude descending, index ascending), the k first
-//      returned in ascending block-local index.
+//      distinct entries at least m), and at least k of them (a few dozen), gathered without a
+//      branch on the data;
+//   4. each candidate's rank by (magnitude descending, index ascending), counted against the
+//      others; the k of rank below k are marked in a bitmap of the block and read back in
+//      ascending block-local index.
 // A magnitude is ranked by the bits of |x| read as an unsigned integer (float for float, bf16
 // and half, which convert to it exactly; double for double): for non-negative numbers that is
 // their order, with +inf above every finite value and NaN above +inf, as torch.topk ranks them,
@@ -25,18 +27,23 @@
 //
 // dct_blocks: the orthonormal 2-D DCT-II (or its inverse) of every chunk_rows x chunk_cols block
 // of a matrix, blocks in place (lowcomm.compress.dct.block_transform with DCT bases), written as
-// out = beta * out + alpha * T(matrix). A block is read once from memory, transformed in cache
-// and written once. Along the rows of a block (the left basis, C_R B) the transform is fast:
-// the even/odd split of the DCT-II,
+// out = beta * out + alpha * T(matrix). A block row is taken a tile of up to 512 columns at a
+// time: read once from memory, transformed in cache, written once. Down the rows of a block (the
+// left basis, C_R B) the transform is the even/odd split of the DCT-II,
 //     X[2m]   = 2^-1/2 DCT_{N/2}(x[i] + x[N-1-i])[m]
 //     X[2m+1] = sum_{i<N/2} C_N[2m+1][i] (x[i] - x[N-1-i]),
-// recursively on the even half while it is even and above 8 (then a dense product), with every
-// step acting on whole block rows at once (vectors along memory). For N = 64 that is 1,365
-// multiply-adds per column instead of 4,096, each step exact in exact arithmetic; the rounding
-// differs from one dense product by a few float ulps. Along the columns of a block (the right
-// basis, B C_C^T) it is the dense product, taken four block rows and 128 bytes of output at a
-// time, so that the accumulators stay in registers. The inverse runs the transposed steps in
-// the reverse order.
+// recursively on the even half while it is even and above 8 (then a dense product), every step
+// acting on whole tile rows (vectors along memory): for N = 64, 1,365 multiply-adds per column
+// instead of 4,096. Along the rows of a block (the right basis, B C_C^T) it is split once, into
+// two half-size products. Each step is exact in exact arithmetic; the rounding differs from the
+// dense products' by a few float ulps. The inverse runs the transposed steps in the reverse
+// order; a block of at most 1.5 x 64 nonzero coefficients (an aggregate of one or two senders'
+// top-k) is inverted as one product over them, X = sum_j v_j L[r_j]^T R[c_j].
+//
+// dct_blocks_topk: dct_blocks into one target and block_topk of the new target, each tile
+// selected while it is in cache (DeMo's encode). dct_gathered_update: DeMo's decode, the inverse of
+// W workers' gathered payloads (the mean over the senders of each coefficient, gathered per tile
+// in cache) added, or its sign added, to the parameters.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

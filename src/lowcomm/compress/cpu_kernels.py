@@ -1,16 +1,27 @@
 """lowcomm's CPU kernels (``cpu_kernels.cpp``): compiled on first use, once per machine.
 
 Where torch's operators need several passes over a large tensor for what one pass can do, a
-C++ kernel does it on the CPU: today the per-block top-k of DeMo's and SparseLoCo's
-selection (:func:`lowcomm.compress.block_topk.block_topk`), which on OLMo-300M's 117M
-block-matrix parameters takes about 80 ms against 280-360 for the two-round torch selection
-(``benchmarks/demo_step.py``). Every kernel has a torch path, taken on other devices and
-whenever the kernels are not there, tested against it (for the top-k: the same entries in the
-same order wherever the magnitudes are distinct).
+C++ kernel does it on the CPU:
+
+- the per-block top-k of DeMo's and SparseLoCo's selection
+  (:func:`lowcomm.compress.block_topk.block_topk`);
+- the block DCT (:func:`lowcomm.compress.dct.dct_transform`): each tile of 64-row blocks read
+  and written once, with the DCT's even/odd split in place of dense products;
+- DeMo's encode, that transform with the top-k of each tile taken while it is in cache
+  (:meth:`lowcomm.compress.dct_topk.DCTTopK.transform_select`), and its decode, the gathered
+  payloads' inverse added straight into the parameters
+  (:meth:`lowcomm.compress.dct_topk.DCTTopK.decode_add`).
+
+On OLMo-300M's 117.4M block-matrix parameters they bring DeMo's step from 466 to about 290 ms,
+against fused AdamW's 75 (``benchmarks/demo_step.py``). Every kernel has a torch path, taken on
+other devices and whenever the kernels are not there, tested against it: the top-k selects the
+same entries in the same order wherever the magnitudes are distinct; the DCT agrees with the
+matrix products to rounding (a few float32 ulps: it adds in another order), and the decode's
+aggregate is the torch one's bit for bit.
 
 They are built with torch's own extension builder (``torch.utils.cpp_extension``: a C++17
-compiler and ninja) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``),
-under a name keyed by the source, the torch installation and this CPU, since they are compiled
+compiler with GCC's vector extensions, GCC or Clang, and ninja) into ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), under a name keyed by the source, the torch installation and this CPU, since they are compiled
 for the CPU they are built on (``-march=native``): nodes of another CPU sharing a home directory
 build their own. ``make venv`` builds them ahead (``lowcomm-build-kernels``, which also says
 where they are).
