@@ -13,8 +13,9 @@ step in what is timed, once per H steps, as in training.
 The table gives, per method: the mean time per step over its cycles, its slowest step (the
 synchronisation, for the outer-loop methods), the mean's ratio to AdamW-DDP's, and the phases of
 one extra cycle under torch.profiler, each aten operator's own time (``self`` time: nothing
-counted twice) summed by kind: matmul, top-k/sort, scatter/gather, communication, copy/cast,
-elementwise (the rest).
+counted twice) summed by kind: matmul, DCT kernels (lowcomm's CPU kernels of DeMo's block DCT:
+its encode with the top-k, its decode with the update), top-k/sort, scatter/gather,
+communication, copy/cast, elementwise (the rest).
 
     python benchmarks/step_cost.py                        # CPU, 1 of 300M's 16 blocks, every method
     python benchmarks/step_cost.py --blocks 8 --methods adamw_ddp demo muon_ddp
@@ -34,15 +35,18 @@ import time
 
 import torch
 
-# in the order names are matched: a collective's name holds "gather", so communication comes first
+# in the order names are matched: a collective's name holds "gather", so communication comes
+# first; then lowcomm's DCT kernels (DeMo's encode and decode, whose names hold "topk" and "gather")
 KINDS = {
     "communication": ("gloo", "nccl", "c10d", "all_gather", "all_reduce", "broadcast", "allgather", "allreduce"),
+    "DCT kernels": ("dct_",),
     "matmul": ("mm", "bmm", "addmm", "matmul", "linalg", "baddbmm", "einsum", "addbmm"),
     "top-k/sort": ("topk", "sort", "kthvalue"),
     "scatter/gather": ("scatter", "gather", "index", "take", "masked"),
     "copy/cast": ("copy", "_to_copy", "clone", "cat", "stack", "contiguous", "empty", "zero", "fill"),
 }
-ORDER = ("matmul", "top-k/sort", "scatter/gather", "communication", "copy/cast", "elementwise")  # the table's
+ORDER = ("matmul", "DCT kernels", "top-k/sort", "scatter/gather", "communication", "copy/cast",
+         "elementwise")  # the table's
 
 
 def kind_of(op_name: str) -> str:

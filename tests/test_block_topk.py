@@ -186,6 +186,23 @@ def test_the_kernel_rejects_what_it_cannot_select():
         kernel(torch.zeros(8, 16).T, 8, 8, 2, 1)
 
 
+def test_tied_blocks_keep_their_lowest_indices_on_the_kernel():
+    """A block of zeros (an embedding row no batch touched) and a block of one repeated
+    magnitude: every entry ties, so every entry is a candidate; the kernel keeps the k lowest
+    indices. Beside them a block of distinct magnitudes selects as torch.topk does."""
+    assert cpu_kernels.available()
+    layout = BlockLayout((64, 192), 64, 192, 64, 64)
+    matrix = torch.zeros(64, 192)
+    matrix[:, 64:128] = -2.5
+    matrix[:, 128:] = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    for k in (32, 2048):
+        index, positions, values = block_topk(matrix, layout, k)
+        assert index[0].tolist() == list(range(k)) and index[1].tolist() == list(range(k))
+        assert (values[0] == 0).all() and (values[1] == -2.5).all()
+        assert torch.equal(index[2], reference(matrix, layout, k)[2])
+        assert torch.equal(matrix.view(-1)[positions.view(-1)], values.view(-1))
+
+
 @pytest.mark.parametrize("wire", ["paper", "sign"])
 def test_demo_steps_on_the_kernel_equal_those_on_the_rounds(wire, monkeypatch):
     """Three DeMo steps of OLMo-like shapes (64 x 64 blocks, one bucket): parameters and

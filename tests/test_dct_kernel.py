@@ -4,8 +4,8 @@ definition (tests/dct_reference.py: Kronecker products of the cosine matrix, in 
 every path the kernel takes: the even/odd recursion down the rows (even sizes above 8, odd
 sizes and small ones dense), the halves along the rows (widths that are whole vectors) or the
 whole product (others), the inverse of a block with few nonzero coefficients as one product, the
-accumulation into the target, DeMo's decode of gathered payloads into its parameters (with its
-sign), and the fallbacks to the matrix products."""
+accumulation into the target, DeMo's encode (the transform with its top-k) and decode (gathered
+payloads into its parameters, with their sign), and the fallbacks to the matrix products."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ GEOMETRIES = [
     ((3, 128), 64),  # 3 x 64
     ((1, 256), 64),  # a 1-D tensor: blocks one row high, nothing down the rows
     ((256, 7), 64),  # 64 x 7
+    ((64, 704), 64),  # 11 blocks along a row: a tile of 8, then one of 3
 ]
 
 
@@ -126,7 +127,7 @@ def _gathered(workers: int, layout: BlockLayout, k: int, seed: int, dtype=F64) -
 
 
 @pytest.mark.parametrize("sign", [False, True])
-@pytest.mark.parametrize(("workers", "k"), [(1, 32), (2, 32), (3, 40), (8, 32), (1, 2000)])
+@pytest.mark.parametrize(("workers", "k"), [(1, 32), (2, 32), (3, 40), (8, 32), (1, 2000), (2, 200)])
 def test_decoding_into_the_targets_is_the_aggregate_then_the_inverse_then_the_step(workers, k, sign):
     """DeMo's decode and update in one pass: targets (a stack of parameters, row blocks) +=
     alpha f(P^-1 Q), Q the mean over senders of the gathered payloads. Against the codec's own
@@ -145,6 +146,62 @@ def test_decoding_into_the_targets_is_the_aggregate_then_the_inverse_then_the_st
         assert (update.abs() > 1e-9).all()  # no sign here is within rounding of zero
         update = update.sign()
     torch.testing.assert_close(torch.cat(params), before - 0.01 * update, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("shape", "chunk", "k"), [((96, 40), 64, 4), ((1, 256), 64, 8), ((256, 7), 64, 3),
+                                                  ((128, 704), 64, 32), ((24, 48), 16, 5)])
+def test_decoding_into_the_targets_on_every_block_geometry(shape, chunk, k):
+    """decode_add on blocks of 48 x 40, one row high, one column wide, 12 x 16, and a block row
+    of 11 blocks (a tile of 8 and one of 3), against the aggregate and the definition."""
+    codec = DCTTopK(chunk=chunk, topk=k, wire="paper")
+    layout = codec.layout(shape)
+    gathered = _gathered(2, layout, k, seed=11)
+    aggregate = codec.aggregate_gathered([gathered], [layout], [0], out=torch.empty(layout.numel, dtype=F64),
+                                         counts=torch.empty(layout.numel, dtype=F64))
+    param = torch.randn(layout.rows, layout.cols, dtype=F64)
+    want = param - 0.5 * dense_dct(aggregate.view(layout.rows, layout.cols), chunk, inverse=True)
+    assert codec.decode_add(gathered, layout, [param], alpha=-0.5, sign=False)
+    torch.testing.assert_close(param, want, rtol=0, atol=1e-12)
+
+
+def test_a_block_inverse_does_not_depend_on_its_neighbours():
+    """A block of few coefficients beside one of many is inverted as one product all the same:
+    bit for bit what it gives alone (the choice is per block, not per tile)."""
+    layout = BlockLayout((64, 128), 64, 128, 64, 64)
+    sparse = _sparse((64, 64), 0.005, seed=12, dtype=torch.float32)
+    beside = torch.cat([sparse, torch.randn(64, 64)], dim=1)
+    alone = torch.cat([sparse, torch.zeros(64, 64)], dim=1)
+    on_the_left = dct_transform(beside.contiguous(), layout, inverse=True)[:, :64]
+    assert torch.equal(on_the_left, dct_transform(alone.contiguous(), layout, inverse=True)[:, :64])
+
+
+def test_a_nan_in_the_aggregate_moves_no_parameter_on_the_sign_base_as_on_the_torch_path():
+    """torch.sign(nan) is 0: the separate steps leave an entry whose update is NaN where it was,
+    and so does the kernel."""
+    codec = DCTTopK(chunk=64, topk=4, wire="paper")
+    layout = BlockLayout((64, 128), 64, 128, 64, 64)
+    gathered = _gathered(1, layout, 4, seed=13, dtype=torch.float32)
+    gathered.tensors["values"][0, 0, 1] = float("nan")  # all of block 0's update is NaN
+    param = torch.randn(64, 128)
+    aggregate = codec.aggregate_gathered([gathered], [layout], [0], out=torch.empty(layout.numel),
+                                         counts=torch.empty(layout.numel))
+    want = param - 0.5 * torch.sign(dct_transform(aggregate.view(64, 128), layout, inverse=True))
+    assert codec.decode_add(gathered, layout, [param], alpha=-0.5, sign=True)
+    assert torch.equal(param, want)
+    assert not param.isnan().any()
+
+
+def test_the_kernels_mark_what_they_write_for_autograd():
+    """Their targets' version counters move, as torch's in-place operators move them."""
+    codec = DCTTopK(chunk=64, topk=4, wire="paper")
+    layout = BlockLayout((64, 128), 64, 128, 64, 64)
+    param, momentum, out = torch.zeros(64, 128), torch.zeros(64, 128), torch.zeros(64, 128)
+    versions = [param._version, momentum._version, out._version]
+    assert codec.decode_add(_gathered(1, layout, 4, seed=14, dtype=torch.float32), layout, [param], alpha=1.0,
+                            sign=True)
+    assert codec.transform_select([torch.randn(64, 128)], layout, momentum, beta=0.5, alpha=1.0) is not None
+    dct_transform(torch.randn(64, 128), layout, out=out)
+    assert [param._version, momentum._version, out._version] == [version + 1 for version in versions]
 
 
 def test_decoding_into_the_targets_is_bit_for_bit_the_aggregate_then_the_kernels_inverse():
@@ -174,13 +231,19 @@ def test_decoding_into_the_targets_leaves_what_the_kernels_cannot_do_to_the_call
                                 alpha=1.0, sign=True)
 
 
-def test_a_corrupt_index_is_refused_not_written_through():
+@pytest.mark.parametrize("bad", [4096, -1])
+def test_a_corrupt_index_is_refused_before_anything_is_written(bad):
+    """Two block rows of three tiles: an index outside its block in the last block leaves every
+    tile of the target as it was (all are checked before any is written)."""
     codec = DCTTopK(chunk=64, topk=4, wire="paper")
-    layout = BlockLayout((64, 128), 64, 128, 64, 64)
-    gathered = _gathered(1, layout, 4, seed=7)
-    gathered.tensors["index"][0, 1, 2] = 4096  # one past the block
-    with pytest.raises(RuntimeError, match="outside a block of 4096"):
-        codec.decode_add(gathered, layout, [torch.zeros(64, 128, dtype=F64)], alpha=1.0, sign=False)
+    layout = BlockLayout((128, 1280), 128, 1280, 64, 64)
+    gathered = _gathered(2, layout, 4, seed=7)
+    gathered.tensors["index"][1, -1, 2] = bad
+    target = torch.randn(128, 1280, dtype=F64)
+    before = target.clone()
+    with pytest.raises(RuntimeError, match=f"index {bad} outside a block of 4096"):
+        codec.decode_add(gathered, layout, [target], alpha=1.0, sign=False)
+    assert torch.equal(target, before)
 
 
 def test_without_the_kernels_it_is_the_matrix_products_bit_for_bit(monkeypatch):

@@ -18,6 +18,8 @@ from step_cost import kind_of  # noqa: E402  (a benchmark script, not a package)
     ("aten::mm", "matmul"),
     ("aten::baddbmm_", "matmul"),
     ("lowcomm::block_topk", "top-k/sort"),  # "lowcomm" holds "mm": the namespace is not the op
+    ("lowcomm::dct_blocks_topk", "DCT kernels"),  # DeMo's encode: the transform, then its top-k
+    ("lowcomm::dct_gathered_update", "DCT kernels"),  # DeMo's decode: not a gather
     ("aten::topk", "top-k/sort"),
     ("aten::index_add_", "scatter/gather"),
     ("c10d::allreduce_", "communication"),

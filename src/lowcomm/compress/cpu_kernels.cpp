@@ -14,11 +14,12 @@
 //      by nth_element over the maxima not below the bound;
 //   3. the entries not below m of the groups whose maximum is not below m: they include the
 //      block's k largest (m is at most the k-th largest entry: the k groups above it hold k
-//      distinct entries at least m), and at least k of them (a few dozen), gathered without a
-//      branch on the data;
-//   4. each candidate's rank by (magnitude descending, index ascending), counted against the
-//      others; the k of rank below k are marked in a bitmap of the block and read back in
-//      ascending block-local index.
+//      distinct entries at least m), and at least k of them (usually a few dozen; all of a
+//      block's entries where they tie, as in a block of zeros), gathered without a branch on
+//      the data;
+//   4. the k first by (magnitude descending, index ascending): up to 128 candidates by counting
+//      each one's rank against the others, beyond that by nth_element; marked in a bitmap of the
+//      block and read back in ascending block-local index.
 // A magnitude is ranked by the bits of |x| read as an unsigned integer (float for float, bf16
 // and half, which convert to it exactly; double for double): for non-negative numbers that is
 // their order, with +inf above every finite value and NaN above +inf, as torch.topk ranks them,
@@ -38,7 +39,8 @@
 // two half-size products. Each step is exact in exact arithmetic; the rounding differs from the
 // dense products' by a few float ulps. The inverse runs the transposed steps in the reverse
 // order; a block of at most 1.5 x 64 nonzero coefficients (an aggregate of one or two senders'
-// top-k) is inverted as one product over them, X = sum_j v_j L[r_j]^T R[c_j].
+// top-k) is inverted as one product over them, X = sum_j v_j L[r_j]^T R[c_j]: the choice is made
+// per block, from its own coefficients, so a block's result never depends on its neighbours'.
 //
 // dct_blocks_topk: dct_blocks into one target and block_topk of the new target, each tile
 // selected while it is in cache (DeMo's encode). dct_gathered_update: DeMo's decode, the inverse of
@@ -83,11 +85,26 @@ struct Geometry {
   int64_t cols, chunk_rows, chunk_cols, k, group;
 };
 
-// select_blocks' work space, kept across calls by each thread.
+template <typename K>
+struct Candidate {
+  K magnitude;
+  int32_t index;  // block-local, row-major
+};
+
+template <typename K>
+inline bool ranks_before(const Candidate<K>& a, const Candidate<K>& b) {
+  return a.magnitude > b.magnitude || (a.magnitude == b.magnitude && a.index < b.index);
+}
+
+// Up to this many candidates a block's top k are found by counting ranks (see select_blocks).
+constexpr int64_t kCountedCandidates = 128;
+
+// select_blocks' work space, reused by one thread over the blocks of one call.
 template <typename T>
 struct Selection {
   std::vector<Key<T>> maxima, ranked, keys;
   std::vector<int32_t> groups, columns, locals;
+  std::vector<Candidate<Key<T>>> candidates;
   std::vector<uint64_t> bitmap;  // one bit per entry of a block, all zero between blocks
 };
 
@@ -178,16 +195,29 @@ void select_blocks(const T* span, int64_t ld, const Geometry& g, int64_t block_r
         n += m >= threshold;
       }
     }
-    // 4. the k first by (magnitude descending, index ascending): a candidate's rank is the number
-    // ranked before it, counted against all the others (a few dozen: compares, not branches);
-    // the kept ones are marked in a bitmap of the block, read back in index order
-    for (int64_t i = 0; i < n; ++i) {
-      const K key = s.keys[i];
-      const int32_t local = s.locals[i];
-      int64_t rank = 0;
-      for (int64_t j = 0; j < n; ++j)
-        rank += (s.keys[j] > key) | ((s.keys[j] == key) & (s.locals[j] < local));
-      s.bitmap[local >> 6] |= static_cast<uint64_t>(rank < g.k) << (local & 63);
+    // 4. the k first by (magnitude descending, index ascending), marked in a bitmap of the block
+    // and read back in index order. Usually the candidates are a few dozen, and a candidate's
+    // rank is counted against all the others (compares, not branches); where magnitudes tie at
+    // the threshold (a block of zeros: every entry is a candidate) or k is large, that would
+    // cost n^2, so an nth_element by the same order picks them instead.
+    if (n <= kCountedCandidates) {
+      for (int64_t i = 0; i < n; ++i) {
+        const K key = s.keys[i];
+        const int32_t local = s.locals[i];
+        int64_t rank = 0;
+        for (int64_t j = 0; j < n; ++j)
+          rank += (s.keys[j] > key) | ((s.keys[j] == key) & (s.locals[j] < local));
+        s.bitmap[local >> 6] |= static_cast<uint64_t>(rank < g.k) << (local & 63);
+      }
+    } else {
+      s.candidates.resize(n);
+      for (int64_t i = 0; i < n; ++i) s.candidates[i] = {s.keys[i], s.locals[i]};
+      std::nth_element(s.candidates.begin(), s.candidates.begin() + (g.k - 1), s.candidates.end(),
+                       ranks_before<K>);
+      for (int64_t i = 0; i < g.k; ++i) {
+        const int32_t local = s.candidates[i].index;
+        s.bitmap[local >> 6] |= uint64_t{1} << (local & 63);
+      }
     }
     int64_t out = (block_row * blocks_cols + bc) * g.k;
     for (size_t word = 0; word < s.bitmap.size(); ++word) {
@@ -643,7 +673,7 @@ void inverse_sparse(const DownPlan<T>& left, const AcrossPlan<T>& right, int64_t
 
 template <typename T>
 inline T signum(T x) {
-  return x > T(0) ? T(1) : (x < T(0) ? T(-1) : x);  // 0 stays 0, NaN stays NaN (as torch.sign)
+  return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));  // 0 and NaN give 0, as torch.sign does
 }
 
 struct Emit {
@@ -693,9 +723,9 @@ class TileTransform {
     space_.reset(new Vec<T>[(7 * tile + 4 * most) / kLanes<T> + 1]);  // not zeroed: every use writes first
     stage_ = reinterpret_cast<T*>(space_.get());
     result_ = stage_ + tile;
-    gathered_ = result_ + tile;  // the coefficients of run_gathered, and their senders
-    senders_ = gathered_ + tile;
-    work_ = senders_ + tile;  // 3 tiles, then 4 x the longer side
+    gathered_ = result_ + tile;  // the coefficients of run_gathered
+    spare_ = gathered_ + tile;   // their senders in run_gathered; a block's inverse in transform
+    work_ = spare_ + tile;  // 3 tiles, then 4 x the longer side
     small_ = work_ + 3 * tile;
     const int64_t lists = g.tile_blocks * (rank_limit_ + 1);
     at_row_.resize(std::max(lists, most));
@@ -730,24 +760,22 @@ class TileTransform {
   void run_gathered(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
                     int64_t block_row, T* target, int64_t tile) {
     const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
-    const int64_t block_numel = g_.chunk_rows * C, tile_numel = g_.chunk_rows * width;
+    const int64_t tile_numel = g_.chunk_rows * width;
     const int64_t first_block = block_row * (g_.cols / C) + tile * g_.tile_blocks;
     std::fill_n(gathered_, tile_numel, T(0));
-    if (workers > 1) std::fill_n(senders_, tile_numel, T(0));
+    if (workers > 1) std::fill_n(spare_, tile_numel, T(0));
     for (int64_t w = 0; w < workers; ++w)
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = (w * num_blocks + first_block + b) * k;
         for (int64_t j = 0; j < k; ++j) {
-          const int64_t local = index[at + j];
-          TORCH_CHECK(local >= 0 && local < block_numel, "lowcomm::dct_gathered_update: block-local index ", local,
-                      " outside a block of ", block_numel);
+          const int64_t local = index[at + j];  // checked by the caller: in [0, block_numel)
           const int64_t position = (local / C) * width + b * C + local % C;
           gathered_[position] += values[at + j];
-          if (workers > 1) senders_[position] += T(1);
+          if (workers > 1) spare_[position] += T(1);
         }
       }
     if (workers > 1)
-      for (int64_t i = 0; i < tile_numel; ++i) gathered_[i] /= std::max(senders_[i], T(1));
+      for (int64_t i = 0; i < tile_numel; ++i) gathered_[i] /= std::max(spare_[i], T(1));
     transform(gathered_, width, target + tile * g_.tile_blocks * C, blocks);
   }
 
@@ -775,39 +803,45 @@ class TileTransform {
         }
       }
     } else {
-      const bool dense = rank_limit_ < 0 || !nonzeros(source, ld, blocks);
-      if (!dense) {
-        for (int64_t b = 0; b < blocks; ++b) {
+      // each block of few nonzero coefficients as one product over them; the others across
+      // their rows, then down (every block of the tile at once when none is sparse)
+      const int64_t dense = rank_limit_ < 0 ? blocks : nonzeros(source, ld, blocks);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (dense < blocks && counts_[b] <= rank_limit_) {
           const int64_t at = b * (rank_limit_ + 1);
-          inverse_sparse(*down_, *across_, counts_[b], at_row_.data() + at, at_col_.data() + at, values_.data() + at,
-                         result_ + b * C, width, work_);
+          inverse_sparse(*down_, *across_, counts_[b], at_row_.data() + at, at_col_.data() + at,
+                         values_.data() + at, result_ + b * C, width, work_);
+          continue;
         }
-      } else {  // across each block's rows, then down every block at once
-        for (int64_t b = 0; b < blocks; ++b) {
-          T* out = down_ ? stage_ + b * C : result_ + b * C;
-          if (across_) {
-            // by rows, skipping zeros, up to 8 nonzero coefficients per row; else as products
-            if (count_nonzero(source + b * C, ld, R, C) > R * 8) {
-              inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
-            } else {
-              inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
-            }
+        T* out = down_ ? stage_ + b * C : result_ + b * C;
+        if (across_) {
+          // by rows, skipping zeros, up to 8 nonzero coefficients per row; else as products
+          if (count_nonzero(source + b * C, ld, R, C) > R * 8) {
+            inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
           } else {
-            for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
+            inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
           }
+        } else {
+          for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
         }
-        if (down_) inverse_down(*down_, stage_, width, width, result_, work_);
+        if (down_ && dense < blocks) {  // this block alone, through spare_, into its columns
+          inverse_down(*down_, stage_ + b * C, width, C, spare_, work_);
+          for (int64_t r = 0; r < R; ++r) std::copy_n(spare_ + r * C, C, result_ + r * width + b * C);
+        }
       }
+      if (down_ && dense == blocks) inverse_down(*down_, stage_, width, width, result_, work_);
     }
     emit_rows(emit_, result_, R, width, target, cols, keep_);
   }
 
   // The nonzero coefficients of each of the tile's `blocks` blocks (rows `ld` apart), row by
-  // row along memory, into per-block lists of at most rank_limit: false as soon as a block has
-  // more. A 64-byte run of zero bits is passed over at once (a -0.0 is kept: it adds nothing).
-  bool nonzeros(const T* tile, int64_t ld, int64_t blocks) {
+  // row along memory, into per-block lists of at most rank_limit (counts_; a block with more
+  // gets rank_limit + 1 and no list): the number of such blocks. A 64-byte run of zero bits is
+  // passed over at once (a -0.0 is kept: it adds nothing).
+  int64_t nonzeros(const T* tile, int64_t ld, int64_t blocks) {
     const int64_t C = g_.chunk_cols, width = blocks * C, capacity = rank_limit_ + 1;
     std::fill_n(counts_.begin(), blocks, 0);
+    int64_t dense = 0;
     for (int64_t r = 0; r < g_.chunk_rows; ++r) {
       const T* row = tile + r * ld;
       for (int64_t c = 0; c < width; c += kLanes<T>) {
@@ -822,7 +856,11 @@ class TileTransform {
           if (row[j] == T(0) && !std::signbit(row[j])) continue;
           const int64_t b = j / C;
           int64_t& count = counts_[b];
-          if (count == rank_limit_) return false;
+          if (count >= rank_limit_) {
+            dense += count == rank_limit_;
+            count = capacity;
+            continue;
+          }
           const int64_t at = b * capacity + count++;
           at_row_[at] = r;
           at_col_[at] = j - b * C;
@@ -830,7 +868,7 @@ class TileTransform {
         }
       }
     }
-    return true;
+    return dense;
   }
 
   Geometry2 g_;
@@ -841,7 +879,7 @@ class TileTransform {
   int64_t rank_limit_;
   bool keep_ = false;
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
-  T *stage_, *result_, *gathered_, *senders_, *work_, *small_;
+  T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
   std::vector<int64_t> at_row_, at_col_, counts_;
   std::vector<T> values_;
 };
@@ -970,6 +1008,12 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
     const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
     const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
     const Emit emit{1.0, alpha, sign};
+    if (index.numel()) {  // every index checked before anything is written: a corrupt one changes nothing
+      const auto [lowest, highest] = at::aminmax(index);
+      const int64_t low = lowest.item<int64_t>(), high = highest.item<int64_t>();
+      TORCH_CHECK(low >= 0 && high < chunk_rows * chunk_cols, "lowcomm::dct_gathered_update: block-local index ",
+                  low < 0 ? low : high, " outside a block of ", chunk_rows * chunk_cols);
+    }
     const int64_t* where = index.const_data_ptr<int64_t>();
     const scalar_t* sent = values.const_data_ptr<scalar_t>();
     at::parallel_for(0, block_rows * tiles, 1, [&](int64_t first, int64_t last) {

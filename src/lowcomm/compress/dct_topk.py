@@ -40,7 +40,7 @@ import torch
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.base import Payload
 from lowcomm.compress.block_topk import block_topk, kernel_group_rows, selection_kernels
-from lowcomm.compress.dct import BlockLayout, dct_bases, dct_kernels, dct_transform
+from lowcomm.compress.dct import BlockLayout, dct_bases, dct_kernels, dct_transform, mark_written
 from lowcomm.compress.registry import register_codec
 
 WIRES = ("paper", "compact", "sign", "signbit")
@@ -212,8 +212,11 @@ class DCTTopK:
         if dct_kernels([*parts, momentum]) is None or selection_kernels(momentum) is None:
             return None
         k = self.kept_per_block(layout)
-        return cpu_kernels.ops().dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols), layout.chunk_rows,
-                                                 layout.chunk_cols, beta, alpha, k, kernel_group_rows(layout, k))
+        selected = cpu_kernels.ops().dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols),
+                                                     layout.chunk_rows, layout.chunk_cols, beta, alpha, k,
+                                                     kernel_group_rows(layout, k))
+        mark_written(momentum)
+        return selected
 
     def pack(self, index: torch.Tensor, values: torch.Tensor, layout: BlockLayout) -> Payload:
         """The payload for the ``index`` and ``values`` from :meth:`select`, in this codec's
@@ -359,14 +362,21 @@ class DCTTopK:
         bottom (DeMo's update of a stack of parameters). Each tile of 64-row blocks gathers its
         coefficients in cache, so no ``rows x cols`` buffer is zeroed, filled or read. Returns
         False, with nothing done, where the kernels cannot (:func:`~lowcomm.compress.dct.dct_kernels`)."""
-        index, values = self.unpack(gathered)
-        kernels = dct_kernels(targets)
-        if kernels is None or values.dtype != targets[0].dtype or values.device != targets[0].device:
+        if not self.decodes_into(gathered, targets):
             return False
+        index, values = self.unpack(gathered)
         shape = (index.shape[0], layout.num_blocks, -1)
-        kernels.dct_gathered_update(index.reshape(shape).contiguous(), values.reshape(shape).contiguous(), targets,
-                                    layout.cols, layout.chunk_rows, layout.chunk_cols, alpha, sign)
+        cpu_kernels.ops().dct_gathered_update(index.reshape(shape).contiguous(), values.reshape(shape).contiguous(),
+                                              targets, layout.cols, layout.chunk_rows, layout.chunk_cols, alpha, sign)
+        mark_written(*targets)
         return True
+
+    def decodes_into(self, gathered: Payload, targets: list[torch.Tensor]) -> bool:
+        """Would :meth:`decode_add` take these (the kernels built, targets they take, values of
+        the targets' dtype)? A caller with several to apply asks first, so that none is applied
+        unless all are."""
+        return (dct_kernels(targets) is not None and gathered.meta["dtype"] == targets[0].dtype
+                and all(tensor.device == targets[0].device for tensor in gathered.tensors.values()))
 
     # ------------------------------------------------------------- whole tensors
     def bases(

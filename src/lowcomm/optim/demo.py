@@ -48,7 +48,6 @@ from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import (
     BlockLayout,
     block_transform,
-    dct_kernels,
     dct_transform,
     random_orthonormal_basis,
 )
@@ -469,12 +468,14 @@ class DeMo(torch.optim.Optimizer):
         runs = _runs(flight.sent)
         first = flight.sent[0].param
         payloads, layouts, offsets, members = self._gathered_runs(flight, runs)
-        if self._decodes_into_params(flight):
+        targets = [[item.param for item in items] for items in members]
+        if self.projection == "dct" and self.base != "muon" and all(
+                self.codec.decodes_into(payload, params) for payload, params in zip(payloads, targets, strict=True)):
             with record_function("DeMo.decode"):  # the inverse, the base and the update, in one pass
-                for payload, layout, items in zip(payloads, layouts, members, strict=True):
-                    done = self.codec.decode_add(payload, layout, [item.param for item in items],
-                                                 alpha=-items[0].lr, sign=self.base == "sign")
-                    assert done, "decode_add refused what _decodes_into_params accepted"
+                for payload, layout, params, items in zip(payloads, layouts, targets, members, strict=True):
+                    if not self.codec.decode_add(payload, layout, params, alpha=-items[0].lr,
+                                                 sign=self.base == "sign"):
+                        raise RuntimeError("DCTTopK.decode_add refused a payload decodes_into accepted")
             return
         sums, counts, spare = self._work_buffers(first, flight.numel)
         with record_function("DeMo.decode"):
@@ -495,12 +496,6 @@ class DeMo(torch.optim.Optimizer):
                     if self.base == "muon":
                         part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
                     item.param.add_(part.view(item.param.shape), alpha=-item.lr)
-
-    def _decodes_into_params(self, flight: _InFlight) -> bool:
-        """Can the bucket's decode write straight into its parameters (:meth:`DCTTopK.decode_add`:
-        the DCT projection, the sign or sgd base, parameters the CPU kernels take)?"""
-        return (self.projection == "dct" and self.base != "muon"
-                and dct_kernels([item.param for item in flight.sent]) is not None)
 
     def _gathered_runs(
         self, flight: _InFlight, runs: list[_Run]
