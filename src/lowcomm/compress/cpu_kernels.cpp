@@ -336,9 +336,9 @@ constexpr int64_t kDenseUpTo = 8;  // the recursion stops at an odd size or one 
 template <typename T>
 struct DownPlan {
   int64_t size = 0, base = 0;
-  std::vector<int64_t> half;
+  std::vector<int64_t> half, odd_start;  // odd_start: where each level's odd part sits in inverse_down's work
   std::vector<std::vector<T>> odd, odd_t;
-  std::vector<T> base_matrix, base_t, full, full_t;
+  std::vector<T> base_matrix, base_t, full;
 
   explicit DownPlan(int64_t n) : size(n) {
     double scale = 1.0;
@@ -349,6 +349,7 @@ struct DownPlan {
       for (int64_t m = 0; m < h; ++m)
         for (int64_t i = 0; i < h; ++i)
           matrix[m * h + i] = transposed[i * h + m] = static_cast<T>(scale * c[(2 * m + 1) * n + i]);
+      odd_start.push_back(half.empty() ? 0 : odd_start.back() + half.back());
       half.push_back(h);
       odd.push_back(std::move(matrix));
       odd_t.push_back(std::move(transposed));
@@ -357,7 +358,8 @@ struct DownPlan {
     }
     base = n;
     fill(dct_matrix(n), n, scale, base_matrix, base_t);
-    fill(dct_matrix(size), size, 1.0, full, full_t);
+    const auto whole = dct_matrix(size);
+    full.assign(whole.begin(), whole.end());
   }
   int64_t levels() const { return static_cast<int64_t>(half.size()); }
 };
@@ -496,22 +498,20 @@ void inverse_down(const DownPlan<T>& plan, const T* y, int64_t ld, int64_t width
     return;
   }
   // each level's odd part: odd^T times its coefficients, rows (2m + 1) 2^level of y
-  std::vector<T*> odd_parts(levels);
-  T* next = work;
   for (int64_t level = 0; level < levels; ++level) {
     const int64_t h = plan.half[level];
-    odd_parts[level] = next;
-    combine_rows(plan.odd_t[level].data(), h, 1, h, h, y + (ld << level), ld << (level + 1), width, next, width);
-    next += h * width;
+    combine_rows(plan.odd_t[level].data(), h, 1, h, h, y + (ld << level), ld << (level + 1), width,
+                 work + plan.odd_start[level] * width, width);
   }
-  T* a = next;                          // the even part from below, up to size / 2 rows
-  T* b = next + plan.size / 2 * width;  // the level above's
+  T* a = work + (plan.odd_start.back() + plan.half.back()) * width;  // the even part from below, up to size / 2 rows
+  T* b = a + plan.size / 2 * width;  // the level above's
   combine_rows(plan.base_t.data(), plan.base, 1, plan.base, plan.base, y, ld << levels, width, a, width);
   for (int64_t level = levels - 1; level >= 0; --level) {
     const int64_t h = plan.half[level], n = 2 * h;
     T* target = level == 0 ? out : b;
     for (int64_t i = 0; i < h; ++i)
-      butterfly(a + i * width, odd_parts[level] + i * width, target + i * width, target + (n - 1 - i) * width, width);
+      butterfly(a + i * width, work + (plan.odd_start[level] + i) * width, target + i * width,
+                target + (n - 1 - i) * width, width);
     std::swap(a, b);
   }
 }
@@ -546,6 +546,16 @@ void forward_across(const AcrossPlan<T>& plan, const T* x, int64_t ld, int64_t r
       out[r * out_ld + 2 * m] = even[r * h + m];
       out[r * out_ld + 2 * m + 1] = odd[r * h + m];
     }
+}
+
+// A row of the inverse along block rows from its even and odd halves' sums (forward_across's
+// split, undone): x[i] = a[i] + b[i], x[size-1-i] = a[i] - b[i] for i < size / 2.
+template <typename T>
+inline void fold_halves(const T* a, const T* b, int64_t size, T* x) {
+  for (int64_t i = 0; i < size / 2; ++i) {
+    x[i] = a[i] + b[i];
+    x[size - 1 - i] = a[i] - b[i];
+  }
 }
 
 // out (`width`) = sum_j a_j B row j (rows `width` apart) over the j < count with a_j =
@@ -612,10 +622,7 @@ void inverse_across(const AcrossPlan<T>& plan, const T* y, int64_t ld, int64_t r
     }
     sparse_combine(row, h, 2, plan.even.data(), h, a, kept, rows_work);
     sparse_combine(row + 1, h, 2, plan.odd.data(), h, b, kept, rows_work);
-    for (int64_t i = 0; i < h; ++i) {
-      target[i] = a[i] + b[i];
-      target[size - 1 - i] = a[i] - b[i];
-    }
+    fold_halves(a, b, size, target);
   }
 }
 
@@ -633,11 +640,7 @@ void inverse_across_dense(const AcrossPlan<T>& plan, const T* y, int64_t ld, int
   T* b = work + rows * h;
   combine_rows(y, ld, 2, rows, h, plan.even.data(), h, h, a, h);
   combine_rows(y + 1, ld, 2, rows, h, plan.odd.data(), h, h, b, h);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < h; ++i) {
-      out[r * out_ld + i] = a[r * h + i] + b[r * h + i];
-      out[r * out_ld + size - 1 - i] = a[r * h + i] - b[r * h + i];
-    }
+  for (int64_t r = 0; r < rows; ++r) fold_halves(a + r * h, b + r * h, size, out + r * out_ld);
 }
 
 // The number of nonzero entries of a block (rows `ld` apart).
@@ -704,8 +707,15 @@ void emit_rows(const Emit& emit, T* y, int64_t rows, int64_t width, T* target, i
   }
 }
 
-struct Geometry2 {
+// How a matrix of `cols` columns and blocks of chunk_rows x chunk_cols is cut into tiles: up to
+// 512 columns (tile_blocks blocks) of one block row.
+struct TileGeometry {
   int64_t cols, chunk_rows, chunk_cols, tile_blocks;
+
+  TileGeometry(int64_t cols_, int64_t chunk_rows_, int64_t chunk_cols_)
+      : cols(cols_), chunk_rows(chunk_rows_), chunk_cols(chunk_cols_),
+        tile_blocks(std::max<int64_t>(1, std::min(cols_ / chunk_cols_, 512 / chunk_cols_))) {}
+  int64_t tiles() const { return (cols / chunk_cols + tile_blocks - 1) / tile_blocks; }
 };
 
 // One block row, `tile_blocks` blocks at a time (a tile: rows of up to 512 entries, read and
@@ -713,13 +723,14 @@ struct Geometry2 {
 template <typename T>
 class TileTransform {
  public:
-  TileTransform(const Geometry2& g, bool inverse, const Emit& emit, const DownPlan<T>* down,
-                const AcrossPlan<T>* across)
-      : g_(g), inverse_(inverse), emit_(emit), down_(down), across_(across) {
+  TileTransform(const TileGeometry& g, bool inverse, const Emit& emit)
+      : g_(g), inverse_(inverse), emit_(emit),
+        down_(g.chunk_rows > 1 ? &plan_for<DownPlan<T>>(g.chunk_rows) : nullptr),
+        across_(g.chunk_cols > 1 ? &plan_for<AcrossPlan<T>>(g.chunk_cols) : nullptr) {
     const int64_t tile = g.chunk_rows * g.chunk_cols * g.tile_blocks;
     const int64_t most = std::max(g.chunk_rows, g.chunk_cols);
     // a block with at most this many nonzero coefficients is inverted as one product
-    rank_limit_ = down && across ? 3 * std::min(g.chunk_rows, g.chunk_cols) / 2 : -1;
+    rank_limit_ = down_ && across_ ? 3 * std::min(g.chunk_rows, g.chunk_cols) / 2 : -1;
     space_.reset(new Vec<T>[(7 * tile + 4 * most) / kLanes<T> + 1]);  // not zeroed: every use writes first
     stage_ = reinterpret_cast<T*>(space_.get());
     result_ = stage_ + tile;
@@ -871,7 +882,7 @@ class TileTransform {
     return dense;
   }
 
-  Geometry2 g_;
+  TileGeometry g_;
   bool inverse_;
   Emit emit_;
   const DownPlan<T>* down_;
@@ -918,15 +929,11 @@ void dct_blocks(at::TensorList parts, at::TensorList targets, int64_t cols, int6
     const auto destinations = block_row_starts<scalar_t, scalar_t*>(targets, slab, "target", like);
     TORCH_CHECK(sources.size() == destinations.size(), "lowcomm::dct_blocks: the parts hold ", sources.size(),
                 " block rows, the targets ", destinations.size());
-    const DownPlan<scalar_t>* down = chunk_rows > 1 ? &plan_for<DownPlan<scalar_t>>(chunk_rows) : nullptr;
-    const AcrossPlan<scalar_t>* across = chunk_cols > 1 ? &plan_for<AcrossPlan<scalar_t>>(chunk_cols) : nullptr;
-    const int64_t blocks_cols = cols / chunk_cols;
-    const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
-    const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
-    const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
+    const TileGeometry geometry(cols, chunk_rows, chunk_cols);
+    const int64_t tiles = geometry.tiles();
     const Emit emit{beta, alpha, false};
     at::parallel_for(0, static_cast<int64_t>(sources.size()) * tiles, 1, [&](int64_t first, int64_t last) {
-      TileTransform<scalar_t> transform(geometry, inverse, emit, down, across);
+      TileTransform<scalar_t> transform(geometry, inverse, emit);
       for (int64_t task = first; task < last; ++task)
         transform.run(sources[task / tiles], destinations[task / tiles], task % tiles);
     });
@@ -955,12 +962,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dct_blocks_topk(at::TensorList pa
     const auto sources = block_row_starts<scalar_t, const scalar_t*>(parts, slab, "part", target);
     TORCH_CHECK(static_cast<int64_t>(sources.size()) == rows / chunk_rows, "lowcomm::dct_blocks_topk: the parts hold ",
                 sources.size(), " block rows, the target ", rows / chunk_rows);
-    const DownPlan<scalar_t>* down = chunk_rows > 1 ? &plan_for<DownPlan<scalar_t>>(chunk_rows) : nullptr;
-    const AcrossPlan<scalar_t>* across = chunk_cols > 1 ? &plan_for<AcrossPlan<scalar_t>>(chunk_cols) : nullptr;
-    const int64_t blocks_cols = cols / chunk_cols;
-    const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
-    const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
-    const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
+    const TileGeometry geometry(cols, chunk_rows, chunk_cols);
+    const int64_t tiles = geometry.tiles();
     const Geometry selecting{cols, chunk_rows, chunk_cols, k, group};
     const Emit emit{beta, alpha, false};
     scalar_t* data = target.mutable_data_ptr<scalar_t>();
@@ -968,7 +971,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dct_blocks_topk(at::TensorList pa
     int64_t* positions_out = positions.mutable_data_ptr<int64_t>();
     scalar_t* values_out = values.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(sources.size()) * tiles, 1, [&](int64_t first, int64_t last) {
-      TileTransform<scalar_t> transform(geometry, false, emit, down, across);
+      TileTransform<scalar_t> transform(geometry, false, emit);
       Selection<scalar_t> selection;
       for (int64_t task = first; task < last; ++task) {
         const int64_t block_row = task / tiles, tile = task % tiles;
@@ -1002,11 +1005,8 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
     const int64_t blocks_cols = cols / chunk_cols, block_rows = static_cast<int64_t>(destinations.size());
     TORCH_CHECK(index.size(1) == block_rows * blocks_cols, "lowcomm::dct_gathered_update: payloads of ",
                 index.size(1), " blocks for targets of ", block_rows * blocks_cols);
-    const DownPlan<scalar_t>* down = chunk_rows > 1 ? &plan_for<DownPlan<scalar_t>>(chunk_rows) : nullptr;
-    const AcrossPlan<scalar_t>* across = chunk_cols > 1 ? &plan_for<AcrossPlan<scalar_t>>(chunk_cols) : nullptr;
-    const int64_t tile_blocks = std::max<int64_t>(1, std::min(blocks_cols, 512 / chunk_cols));
-    const int64_t tiles = (blocks_cols + tile_blocks - 1) / tile_blocks;
-    const Geometry2 geometry{cols, chunk_rows, chunk_cols, tile_blocks};
+    const TileGeometry geometry(cols, chunk_rows, chunk_cols);
+    const int64_t tiles = geometry.tiles();
     const Emit emit{1.0, alpha, sign};
     if (index.numel()) {  // every index checked before anything is written: a corrupt one changes nothing
       const auto [lowest, highest] = at::aminmax(index);
@@ -1017,7 +1017,7 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
     const int64_t* where = index.const_data_ptr<int64_t>();
     const scalar_t* sent = values.const_data_ptr<scalar_t>();
     at::parallel_for(0, block_rows * tiles, 1, [&](int64_t first, int64_t last) {
-      TileTransform<scalar_t> transform(geometry, true, emit, down, across);
+      TileTransform<scalar_t> transform(geometry, true, emit);
       for (int64_t task = first; task < last; ++task)
         transform.run_gathered(where, sent, index.size(0), index.size(1), index.size(2), task / tiles,
                                destinations[task / tiles], task % tiles);

@@ -209,12 +209,12 @@ class DCTTopK:
         selection reads no memory the transform did not just write. Same results as the two
         calls. None, with nothing done, where that kernel cannot run (another device or dtype, a
         tensor that is not contiguous, the kernels or their selection turned off)."""
-        if dct_kernels([*parts, momentum]) is None or selection_kernels(momentum) is None:
+        kernels = dct_kernels([*parts, momentum])
+        if kernels is None or selection_kernels(momentum) is None:
             return None
         k = self.kept_per_block(layout)
-        selected = cpu_kernels.ops().dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols),
-                                                     layout.chunk_rows, layout.chunk_cols, beta, alpha, k,
-                                                     kernel_group_rows(layout, k))
+        selected = kernels.dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols), layout.chunk_rows,
+                                           layout.chunk_cols, beta, alpha, k, kernel_group_rows(layout, k))
         mark_written(momentum)
         return selected
 

@@ -466,7 +466,6 @@ class DeMo(torch.optim.Optimizer):
             for handle in flight.works:
                 handle.wait()
         runs = _runs(flight.sent)
-        first = flight.sent[0].param
         payloads, layouts, offsets, members = self._gathered_runs(flight, runs)
         targets = [[item.param for item in items] for items in members]
         if self.projection == "dct" and self.base != "muon" and all(
@@ -477,7 +476,7 @@ class DeMo(torch.optim.Optimizer):
                                                  sign=self.base == "sign"):
                         raise RuntimeError("DCTTopK.decode_add refused a payload decodes_into accepted")
             return
-        sums, counts, spare = self._work_buffers(first, flight.numel)
+        sums, counts, spare = self._work_buffers(flight.sent[0].param, flight.numel)
         with record_function("DeMo.decode"):
             coefficients = self.codec.aggregate_gathered(payloads, layouts, offsets, out=sums, counts=counts)
         for run in runs:
