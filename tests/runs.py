@@ -61,6 +61,14 @@ def point_id(point: str) -> str:
     return point.split("|")[1].split("=", 1)[1]
 
 
+def as_in_a_terminal() -> None:
+    """``preexec_fn`` of a command that a test stops with Ctrl-C (SIGINT to its process group):
+    SIGINT as a terminal's foreground job has it. A suite started in the background by a
+    non-interactive shell (``make test &``) runs with SIGINT ignored, its children inherit that,
+    and Python then never turns SIGINT into KeyboardInterrupt: as under ``nohup``, on purpose."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def micro_sweep_overrides(run_root: Path) -> list[str]:
     """Overrides that shrink a quickstart-based sweep to seconds per run (2 workers, 4 sequences
     of 64 tokens per step, a 32k-token corpus), for end-to-end tests of the sweep drivers."""

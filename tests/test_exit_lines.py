@@ -20,7 +20,7 @@ import pytest
 
 from lowcomm.launch import local
 from lowcomm.rundir import RunDir, list_checkpoints, read_metrics
-from runs import SMALL_SYNTHETIC, TINY, micro_sweep_overrides, tiny_run
+from runs import SMALL_SYNTHETIC, TINY, as_in_a_terminal, micro_sweep_overrides, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_an_interrupted_sweep_run_exits_130_with_one_line(tmp_path):
                      "points: [[optimizer=adamw_ddp, \"label='AdamW-DDP'\"]]\n")
     proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.sweep", "run", str(sweep), "--out", str(tmp_path / "out"),
                              *micro_sweep_overrides(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=as_in_a_terminal)
     deadline = time.monotonic() + 240
     while not any(read_metrics(path) for path in (tmp_path / "runs").glob("*/*/metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -18,7 +18,7 @@ import pytest
 from lowcomm.launch.local import TERM_GRACE_S, interrupt_grace_s
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, tiny_run
+from runs import TINY, as_in_a_terminal, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,9 @@ def _command(run_root: Path, *extra: str) -> list[str]:
 
 
 def _start(tmp_path: Path, *extra: str, **popen) -> tuple[subprocess.Popen, Path]:
-    """The launcher, once its run has logged a step; returns it and the run's metrics file."""
+    """The launcher, once its run has logged a step; returns it and the run's metrics file.
+    Ctrl-C reaches it as in a terminal unless ``popen`` says otherwise."""
+    popen.setdefault("preexec_fn", as_in_a_terminal)
     proc = subprocess.Popen(_command(tmp_path, *extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **popen)
     deadline = time.monotonic() + 240

@@ -18,7 +18,7 @@ from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model, count_parameters
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, tiny_run
+from runs import TINY, as_in_a_terminal, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_says_where_in_one_line(tmp_path
     the step the ranks stopped at, and a rerun that resumes from it."""
     command = _train_cmd(tmp_path, "train.checkpoint_every=0", "train.max_steps=400")
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_in_a_terminal)
     deadline = time.monotonic() + 240
     metrics = None
     while metrics is None or not read_metrics(metrics):
