@@ -31,16 +31,16 @@ slab, not the whole matrix.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lowcomm.comm import Communicator
 from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.demo import DeMo, DeMoArgs, demo_payload_bytes
 
-__all__ = ["FlexDeMo", "flexdemo_payload_bytes"]
+__all__ = ["FlexDeMo", "flexdemo_payload_bytes", "is_dtensor"]
 
 
 def hybrid_groups(world_size: int, shard_group_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -92,9 +92,17 @@ def flexdemo_payload_bytes(
     return sum(per_index) / shard_group_size
 
 
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing ``torch.distributed.tensor`` (half a
+    second at the start of every process, which most never shard): no DTensor exists before
+    that module is imported (FSDP2 imports it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage); a plain tensor is its own shard."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class FlexDeMo(DeMo):

@@ -30,21 +30,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # set_custom_*'s types
-from torch.distributed.tensor import DTensor
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.meter import reduce_scatter_bytes, ring_all_gather_bytes
 from lowcomm.distenv import local_layout
-from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, row_shard
+from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, is_dtensor, row_shard
 from lowcomm.strategies.base import (
     Cycle,
     Display,
@@ -55,6 +51,10 @@ from lowcomm.strategies.base import (
     trainable_parameters,
 )
 from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("lowcomm.strategies.flexdemo")
 
@@ -81,44 +81,6 @@ class FlexDeMoConfig(DeMoConfig):
         if self.shard_group_size is not None and self.shard_group_size < 1:
             errors.append(f"shard_group_size must be null (the ranks per node) or >= 1, got {self.shard_group_size}")
         return errors
-
-
-class _MeteredAllGather(AllGather):
-    """FSDP2's parameter all-gather, through the sharding group's Communicator."""
-
-    def __init__(self, comm: Communicator, purpose: Callable[[], str]):
-        self.comm, self.purpose = comm, purpose
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        _check_group(group, self.comm)
-        return self.comm.all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op, purpose=self.purpose())
-
-
-class _MeteredReduceScatter(ReduceScatter):
-    """FSDP2's gradient reduce-scatter, through the sharding group's Communicator. FSDP asks
-    for the mean over the group (AVG), or for a plain sum when it divides itself."""
-
-    _OPS = {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum"}
-
-    def __init__(self, comm: Communicator):
-        self.comm = comm
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        _check_group(group, self.comm)
-        if op not in self._OPS:
-            raise ValueError(f"FlexDeMo's reduce-scatter supports AVG and SUM, FSDP asked for {op}")
-        return self.comm.reduce_scatter(output_tensor, input_tensor, op=self._OPS[op], async_op=async_op)
-
-
-def _check_group(group, comm: Communicator) -> None:
-    if group is not comm.group:
-        raise RuntimeError("FSDP issued a collective on a process group other than the sharding group's")
 
 
 def _sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -178,11 +140,18 @@ class FlexDeMoStrategy(DeMoStrategy):
         self.intra = self.comm.split(sharding, "intra")
         self.inter = self.comm.split(replication, "inter")
 
+        # imported here, not with the module: FSDP2 imports DTensor, half a second of every
+        # process's start (the launcher's, every worker's) that only this strategy needs
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        from lowcomm.comm.fsdp import MeteredAllGather, MeteredReduceScatter
+
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.intra.group, device.type, mesh_dim_names=("shard",))
         units = _sharding_units(model)
-        gather = _MeteredAllGather(self.intra, lambda: self._purpose)
-        scatter = _MeteredReduceScatter(self.intra)
+        gather = MeteredAllGather(self.intra, lambda: self._purpose)
+        scatter = MeteredReduceScatter(self.intra)
         for unit in units:
             # FSDP's defaults, made explicit so that _before_forward can switch the root's
             fully_shard(unit, mesh=mesh, reshard_after_forward=unit is not model)
@@ -222,7 +191,7 @@ class FlexDeMoStrategy(DeMoStrategy):
             return {}
         full = {}
         for name, value in self.unwrap(model).state_dict().items():
-            tensor = self._gather_rows(value) if isinstance(value, DTensor) else value.detach()
+            tensor = self._gather_rows(value) if is_dtensor(value) else value.detach()
             if self.comm.rank == 0:
                 full[name] = tensor.cpu()
         return full
@@ -247,7 +216,7 @@ class FlexDeMoStrategy(DeMoStrategy):
                 source = state[name]
                 if tuple(source.shape) != tuple(target.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(source.shape)}, model {tuple(target.shape)}")
-                if isinstance(target, DTensor):
+                if is_dtensor(target):
                     start, count = row_shard(source.shape[0], self.intra.world_size, self.intra.rank)
                     target.to_local().copy_(source.narrow(0, start, count))
                 else:
@@ -258,7 +227,7 @@ class FlexDeMoStrategy(DeMoStrategy):
         the group's shard norms, gathered as control traffic. With |S| = 1 this is exactly
         ``torch.nn.utils.clip_grad_norm_``."""
         grads = [
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            p.grad.to_local() if is_dtensor(p.grad) else p.grad
             for p in self.unwrap(model).parameters()
             if p.grad is not None
         ]
