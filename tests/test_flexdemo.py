@@ -9,7 +9,9 @@ below with DeMo's chunk rule by search, and DeMo itself (the same steps through
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -319,3 +321,30 @@ def test_training_run_logs_intra_and_inter_bytes_and_a_full_model(tmp_path):
     model = torch.load(run.run_dir / "checkpoints" / "step_000000002" / "model.pt")
     reference = build_model(run.model, "meta").state_dict()
     assert {k: tuple(v.shape) for k, v in model.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+
+
+@pytest.mark.parametrize(("ours", "interface"), [("MeteredAllGather", "AllGather"),
+                                                 ("MeteredReduceScatter", "ReduceScatter")])
+def test_the_metered_collectives_implement_fsdps_interfaces(ours, interface):
+    """Not subclassed (that would import FSDP with lowcomm), so checked here: each method the
+    interface requires, with its parameters (names, kinds, defaults), against this torch."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    from lowcomm.comm import fsdp
+
+    theirs, mine = getattr(_fsdp_api, interface), getattr(fsdp, ours)
+    assert theirs.__abstractmethods__ == {"__call__", "allocate"}
+    for name in theirs.__abstractmethods__:
+        expected = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(theirs, name)).parameters.values()]
+        found = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(mine, name)).parameters.values()]
+        assert found == expected, f"{ours}.{name}"
+
+
+def test_no_process_imports_fsdp_before_a_run_shards():
+    """The launcher's and a worker's imports leave FSDP and DTensor out (half a second of every
+    process's start); FlexDeMo imports them when it builds."""
+    code = ("import sys, lowcomm.config, lowcomm.strategies, lowcomm.train.worker, lowcomm.cli.train\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', 'torch.distributed.fsdp'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[]"

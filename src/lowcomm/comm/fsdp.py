@@ -1,9 +1,12 @@
 """FSDP2's two collectives through a Communicator, so that its meter sees every parameter gather
 and gradient reduction (``set_custom_all_gather`` / ``set_custom_reduce_scatter``).
 
-A module of its own, imported by the strategy that shards (FlexDeMo) when it builds: importing
-``torch.distributed.fsdp`` imports DTensor, half a second at the start of every process that
-would otherwise never shard anything.
+They implement torch's ``AllGather`` and ``ReduceScatter`` interfaces
+(``torch.distributed.fsdp._fully_shard._fsdp_api``) without subclassing them: importing that
+module imports FSDP and DTensor, half a second at the start of every process (the launcher,
+each worker), which only a run that shards needs. FSDP calls them and checks no type;
+``tests/test_flexdemo.py`` checks that they have each method of the interfaces, with its
+parameters.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # set_custom_*'s types
 
 from lowcomm.comm.communicator import Communicator
 
 __all__ = ["MeteredAllGather", "MeteredReduceScatter"]
 
 
-class MeteredAllGather(AllGather):
+class MeteredAllGather:
     """FSDP2's parameter all-gather, through the sharding group's Communicator; ``purpose``
     says, at each call, whose traffic it is ("data", or "control" for validation's)."""
 
@@ -34,7 +36,7 @@ class MeteredAllGather(AllGather):
         return self.comm.all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op, purpose=self.purpose())
 
 
-class MeteredReduceScatter(ReduceScatter):
+class MeteredReduceScatter:
     """FSDP2's gradient reduce-scatter, through the sharding group's Communicator. FSDP asks
     for the mean over the group (AVG), or for a plain sum when it divides itself."""
 

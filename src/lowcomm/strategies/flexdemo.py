@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import Communicator
+from lowcomm.comm.fsdp import MeteredAllGather, MeteredReduceScatter
 from lowcomm.comm.meter import reduce_scatter_bytes, ring_all_gather_bytes
 from lowcomm.distenv import local_layout
 from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, is_dtensor, row_shard
@@ -144,8 +145,6 @@ class FlexDeMoStrategy(DeMoStrategy):
         # process's start (the launcher's, every worker's) that only this strategy needs
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
-
-        from lowcomm.comm.fsdp import MeteredAllGather, MeteredReduceScatter
 
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.intra.group, device.type, mesh_dim_names=("shard",))
