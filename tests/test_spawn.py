@@ -1,7 +1,7 @@
 """``spawn_workers`` forks its workers from a fork server that imported torch once: each is a
-process of its own, with the caller's environment, working directory and ``sys.path`` as they
-are at the call (not as they were when the server started), and a worker's failure comes back
-with its traceback."""
+process of its own, with the caller's environment, working directory, ``sys.path``, stdout and
+stderr as they are at the call (not as they were when the server started), and a worker's
+failure comes back with its traceback."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def _where(rank: int, world_size: int) -> dict:
     dist.all_reduce(value)
     return {"pid": os.getpid(), "variable": os.environ.get("LOWCOMM_SPAWN_TEST"), "cwd": os.getcwd(),
             "path": list(sys.path), "sum": int(value.item()), "world": world_size}
+
+
+def _say(rank: int, world_size: int) -> None:
+    del world_size
+    print(f"rank {rank} to stdout", flush=True)
+    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
 
 
 def _fail(rank: int, world_size: int) -> None:
@@ -45,3 +51,14 @@ def test_each_call_sees_the_callers_environment_directory_and_path_of_that_momen
 def test_a_workers_exception_is_raised_with_its_traceback():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed:.*ValueError: rank 1 refuses"):
         spawn_workers(_fail, 2, timeout_s=60)
+
+
+def test_a_workers_output_goes_where_the_callers_goes_at_the_call(capfd):
+    """Not to where the fork server's went when an earlier call started it."""
+    spawn_workers(_where, 1)
+    capfd.readouterr()
+    spawn_workers(_say, 2)
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["rank 0 to stdout", "rank 1 to stdout"]
+    assert sorted(line for line in err.splitlines() if line.startswith("rank")) == ["rank 0 to stderr",
+                                                                                 "rank 1 to stderr"]

@@ -56,12 +56,43 @@ def _deserialize(blob: bytes):
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
-def _entry(rank, world_size, port, fn, args, queue, threads, backend, environment):
+class _Caller:
+    """What a worker takes from the caller of :func:`spawn_workers` at the call: its environment
+    and its stdout and stderr (a forked worker otherwise has the fork server's, which are the
+    first caller's: a test capturing its output, say, would see nothing of a later call's
+    workers). The descriptors travel as multiprocessing passes any: duplicated into the
+    worker as it starts."""
+
+    STREAMS = (1, 2)
+
+    def __init__(self) -> None:
+        self.environment = dict(os.environ)
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _Caller._received, (self.environment, [reduction.DupFd(fd) for fd in self.STREAMS])
+
+    @staticmethod
+    def _received(environment: dict[str, str], streams: list) -> _Caller:
+        caller = _Caller.__new__(_Caller)
+        caller.environment, caller.streams = environment, [stream.detach() for stream in streams]
+        return caller
+
+    def adopt(self) -> None:
+        """In the worker: the caller's environment, stdout and stderr."""
+        os.environ.clear()
+        os.environ.update(self.environment)
+        for fd, stream in zip(self.STREAMS, getattr(self, "streams", ()), strict=False):
+            os.dup2(stream, fd)
+            os.close(stream)
+
+
+def _entry(rank, world_size, port, fn, args, queue, threads, backend, caller):
     import torch
     import torch.distributed as dist
 
-    os.environ.clear()  # the fork server's environment is the caller's when it started
-    os.environ.update(environment)
+    caller.adopt()
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -85,13 +116,13 @@ def spawn_workers(
     """``fn`` must be importable (module level) so that it can be pickled to the workers.
     ``backend`` is ``init_process_group``'s: ``"cuda:gloo"`` gives a group that, like NCCL,
     refuses CPU tensors."""
-    ctx = mp.get_context("forkserver")
+    ctx = mp.get_context("forkserver")  # Linux and macOS
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
     queue = ctx.Queue()
     port = free_port()
-    environment = dict(os.environ)
+    caller = _Caller()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, threads, backend, environment),
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, threads, backend, caller),
                     daemon=False)
         for rank in range(world_size)
     ]
