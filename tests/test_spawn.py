@@ -24,8 +24,9 @@ def _where(rank: int, world_size: int) -> dict:
 
 def _say(rank: int, world_size: int) -> None:
     del world_size
-    print(f"rank {rank} to stdout", flush=True)
-    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+    # one write each: the two workers' lines must not interleave
+    os.write(1, f"rank {rank} to stdout\n".encode())
+    os.write(2, f"rank {rank} to stderr\n".encode())
 
 
 def _fail(rank: int, world_size: int) -> None:
@@ -53,11 +54,13 @@ def test_a_workers_exception_is_raised_with_its_traceback():
         spawn_workers(_fail, 2, timeout_s=60)
 
 
-def test_a_workers_output_goes_where_the_callers_goes_at_the_call(capfd):
-    """Not to where the fork server's went when an earlier call started it."""
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])  # forked from the server; spawned (CUDA's)
+def test_a_workers_output_goes_where_the_callers_goes_at_the_call(capfd, backend):
+    """Not to where the fork server's went when an earlier call started it; a spawned worker's
+    (CUDA's) keeps its stdout open."""
     spawn_workers(_where, 1)
     capfd.readouterr()
-    spawn_workers(_say, 2)
+    spawn_workers(_say, 2, backend=backend)
     out, err = capfd.readouterr()
     assert sorted(out.splitlines()) == ["rank 0 to stdout", "rank 1 to stdout"]
     assert sorted(line for line in err.splitlines() if line.startswith("rank")) == ["rank 0 to stderr",

@@ -5,8 +5,8 @@ full training launcher: ``results = spawn_workers(fn, world_size, *args)`` calls
 ``fn(rank, world_size, *args)`` in each process (after ``init_process_group``) and returns
 the W return values in rank order. A worker's exception is re-raised here with its traceback.
 
-The workers are forked from a fork server, started at the first call, that has imported torch
-once (``PRELOAD``): a worker then starts in a tenth of a second instead of the two to four
+Gloo's workers are forked from a fork server, started at the first call, that has imported
+torch once (``PRELOAD``): a worker then starts in a tenth of a second instead of the two to four
 seconds a fresh interpreter spends importing torch, which is what made a test of a few
 milliseconds of collectives take seconds. Each worker still runs in a process of its own, with
 the caller's working directory, ``sys.path`` and environment as they are at the call.
@@ -84,8 +84,9 @@ class _Caller:
         os.environ.clear()
         os.environ.update(self.environment)
         for fd, stream in zip(self.STREAMS, getattr(self, "streams", ()), strict=False):
-            os.dup2(stream, fd)
-            os.close(stream)
+            if stream != fd:  # a spawned worker has the caller's descriptors under their own numbers
+                os.dup2(stream, fd)
+                os.close(stream)
 
 
 def _entry(rank, world_size, port, fn, args, queue, threads, backend, caller):
@@ -116,8 +117,14 @@ def spawn_workers(
     """``fn`` must be importable (module level) so that it can be pickled to the workers.
     ``backend`` is ``init_process_group``'s: ``"cuda:gloo"`` gives a group that, like NCCL,
     refuses CPU tensors."""
-    ctx = mp.get_context("forkserver")  # Linux and macOS
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
+    if backend == "gloo":
+        ctx = mp.get_context("forkserver")  # Linux and macOS
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
+    else:
+        # workers that use CUDA (NCCL, or a backend for CUDA tensors only) start as fresh
+        # interpreters: CUDA cannot run in a process forked from one that initialised it, and
+        # that importing PRELOAD never does on a CUDA build of torch is not checked on a GPU yet
+        ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     caller = _Caller()
