@@ -61,29 +61,31 @@ class _Caller:
     and its stdout and stderr (a forked worker otherwise has the fork server's, which are the
     first caller's: a test capturing its output, say, would see nothing of a later call's
     workers). The descriptors travel as multiprocessing passes any: duplicated into the
-    worker as it starts."""
+    worker as it starts, where ``streams`` are their numbers there."""
 
     STREAMS = (1, 2)
 
-    def __init__(self) -> None:
-        self.environment = dict(os.environ)
+    def __init__(self, environment: dict[str, str], streams: list[int]) -> None:
+        self.environment, self.streams = environment, streams
+
+    @classmethod
+    def now(cls) -> _Caller:
+        return cls(dict(os.environ), list(cls.STREAMS))
 
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return _Caller._received, (self.environment, [reduction.DupFd(fd) for fd in self.STREAMS])
+        return _Caller._received, (self.environment, [reduction.DupFd(fd) for fd in self.streams])
 
     @staticmethod
     def _received(environment: dict[str, str], streams: list) -> _Caller:
-        caller = _Caller.__new__(_Caller)
-        caller.environment, caller.streams = environment, [stream.detach() for stream in streams]
-        return caller
+        return _Caller(environment, [stream.detach() for stream in streams])
 
     def adopt(self) -> None:
         """In the worker: the caller's environment, stdout and stderr."""
         os.environ.clear()
         os.environ.update(self.environment)
-        for fd, stream in zip(self.STREAMS, getattr(self, "streams", ()), strict=False):
+        for fd, stream in zip(self.STREAMS, self.streams, strict=True):
             if stream != fd:  # a spawned worker has the caller's descriptors under their own numbers
                 os.dup2(stream, fd)
                 os.close(stream)
@@ -127,7 +129,7 @@ def spawn_workers(
         ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    caller = _Caller()
+    caller = _Caller.now()
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, threads, backend, caller),
                     daemon=False)

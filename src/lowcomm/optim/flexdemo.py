@@ -40,7 +40,7 @@ from lowcomm.comm import Communicator
 from lowcomm.optim.closure import closure_loss
 from lowcomm.optim.demo import DeMo, DeMoArgs, demo_payload_bytes
 
-__all__ = ["FlexDeMo", "flexdemo_payload_bytes", "is_dtensor"]
+__all__ = ["FlexDeMo", "flexdemo_payload_bytes", "is_dtensor", "local_shard"]
 
 
 def hybrid_groups(world_size: int, shard_group_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -100,7 +100,7 @@ def is_dtensor(tensor: object) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage); a plain tensor is its own shard."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
@@ -136,7 +136,7 @@ class FlexDeMo(DeMo):
             local_params = []
             for param in group["params"]:
                 self._params.append(param)
-                shard = _local(param).detach()
+                shard = local_shard(param).detach()
                 if shard.numel():
                     self._shards.append((param, shard))
                     local_params.append(shard)
@@ -149,8 +149,8 @@ class FlexDeMo(DeMo):
         for param, shard in self._shards:
             # FSDP re-pads and replaces a shard's storage when the module is moved or loaded with
             # assign=True; re-pointing keeps the optimizer's tensors (its state keys) the same.
-            shard.data = _local(param).detach()
-            shard.grad = None if param.grad is None else _local(param.grad)
+            shard.data = local_shard(param).detach()
+            shard.grad = None if param.grad is None else local_shard(param.grad)
         super().step()
         return loss
 

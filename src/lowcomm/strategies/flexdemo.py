@@ -41,7 +41,14 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.fsdp import MeteredAllGather, MeteredReduceScatter
 from lowcomm.comm.meter import reduce_scatter_bytes, ring_all_gather_bytes
 from lowcomm.distenv import local_layout
-from lowcomm.optim.flexdemo import FlexDeMo, flexdemo_payload_bytes, hybrid_groups, is_dtensor, row_shard
+from lowcomm.optim.flexdemo import (
+    FlexDeMo,
+    flexdemo_payload_bytes,
+    hybrid_groups,
+    is_dtensor,
+    local_shard,
+    row_shard,
+)
 from lowcomm.strategies.base import (
     Cycle,
     Display,
@@ -225,11 +232,7 @@ class FlexDeMoStrategy(DeMoStrategy):
         """Clip the sharding group's mean gradient (DeMo's input) by its global norm: the norm of
         the group's shard norms, gathered as control traffic. With |S| = 1 this is exactly
         ``torch.nn.utils.clip_grad_norm_``."""
-        grads = [
-            p.grad.to_local() if is_dtensor(p.grad) else p.grad
-            for p in self.unwrap(model).parameters()
-            if p.grad is not None
-        ]
+        grads = [local_shard(p.grad) for p in self.unwrap(model).parameters() if p.grad is not None]
         device = next(self.unwrap(model).parameters()).device
         local_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         shard_norms = self.intra.all_gather(local_norm.reshape(1), purpose="control")
