@@ -24,8 +24,12 @@ venv: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) -m lowcomm.cli.quickstart
 
+# The suite on TEST_WORKERS pytest processes (pytest-xdist), a test file to each at a time: its
+# end-to-end runs wait on process start-up, SLURM and links, and two of them fill two cores.
+# TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # The suite without multi-process end-to-end runs and the local SLURM: a minute, for the edit loop.
 test-fast: $(STAMP)

@@ -128,6 +128,10 @@ class OneNode:
     def describe(self) -> str:
         return f"{self.workers} gloo workers on one node, its loopback shaped"
 
+    def namespaces(self) -> list[str]:
+        """The network namespaces the runs ran in (deleted on exit)."""
+        return [self.namespace]
+
     def limit(self, bits_per_s: float | None) -> str:
         return limit_rate(self.namespace, bits_per_s)
 
@@ -170,6 +174,10 @@ class Nodes:
     def describe(self) -> str:
         return (f"{self.nodes} nodes x {self.ranks_per_node} gloo workers, each node's veth shaped, "
                 "its loopback not")
+
+    def namespaces(self) -> list[str]:
+        """The nodes' network namespaces (deleted on exit, with their switch's)."""
+        return [node.namespace for node in self.network]
 
     def limit(self, bits_per_s: float | None) -> str:
         return "; ".join(f"{node.hostname}: {node.limit_rate(bits_per_s) or 'no qdisc'}" for node in self.network)
@@ -290,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     with topology:
+        results["namespaces"] = topology.namespaces()
         for rate in [None, *rates]:
             name = "unshaped" if rate is None else _rate_name(rate)
             shown = topology.limit(rate)

@@ -15,8 +15,10 @@
 # `start` is idempotent: on a running cluster it only waits for the node and prints the export.
 #
 # Environment knobs: LOWCOMM_SLURM_DIR, LOWCOMM_SLURM_CTLD_PORT (6817), LOWCOMM_SLURM_SLURMD_PORT
-# (6818), LOWCOMM_SLURM_START_TIMEOUT (seconds to wait for the node to be idle, 60). Clusters in
-# different state directories can run side by side when given different ports.
+# (6818), LOWCOMM_SLURM_START_TIMEOUT (seconds to wait for the node to be idle, 60),
+# LOWCOMM_SLURM_FIRST_JOB_ID (the first job's id, 1). Clusters in different state directories can
+# run side by side when given different ports and job ids far apart: submitit derives a job's
+# rendezvous port (MASTER_PORT) from its id, so two clusters' job 3 would both listen on one port.
 #
 # Several nodes: LOWCOMM_SLURM_NODES="NAME=ADDRESS=NETNS ..." (the nodes of
 # benchmarks/netns.py's node_network) and LOWCOMM_SLURM_CTLD_ADDR (this host's address on their
@@ -40,6 +42,7 @@ STATE_DIR=${2:-${LOWCOMM_SLURM_DIR:-/tmp/lowcomm-slurm}}
 CTLD_PORT=${LOWCOMM_SLURM_CTLD_PORT:-6817}
 SLURMD_PORT=${LOWCOMM_SLURM_SLURMD_PORT:-6818}
 START_TIMEOUT_S=${LOWCOMM_SLURM_START_TIMEOUT:-60}
+FIRST_JOB_ID=${LOWCOMM_SLURM_FIRST_JOB_ID:-1}
 
 CONF="$STATE_DIR/slurm.conf"
 MUNGE_DIR="$STATE_DIR/munge"
@@ -151,6 +154,7 @@ write_conf() {
     cat >"$CONF" <<EOF
 # Written by slurm/local_slurm.sh: a single-node development cluster. Regenerated on every start.
 ClusterName=lowcomm-local
+FirstJobId=${FIRST_JOB_ID}
 SlurmctldHost=${host}${ctld_addr}
 SlurmctldPort=${CTLD_PORT}
 SlurmdPort=${SLURMD_PORT}

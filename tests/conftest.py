@@ -75,6 +75,9 @@ def _slurm_cluster(**extra_env: str) -> Iterator[str]:
         **os.environ,
         "LOWCOMM_SLURM_CTLD_PORT": str(ctld_port),
         "LOWCOMM_SLURM_SLURMD_PORT": str(slurmd_port),
+        # job ids of their own (a thousand per port), so that the rendezvous ports submitit derives
+        # from them differ from those of a cluster beside it (the suite runs on two pytest workers)
+        "LOWCOMM_SLURM_FIRST_JOB_ID": str(ctld_port * 1000),
         **extra_env,
     }
     started = subprocess.run(
