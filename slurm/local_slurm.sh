@@ -43,6 +43,8 @@ CTLD_PORT=${LOWCOMM_SLURM_CTLD_PORT:-6817}
 SLURMD_PORT=${LOWCOMM_SLURM_SLURMD_PORT:-6818}
 START_TIMEOUT_S=${LOWCOMM_SLURM_START_TIMEOUT:-60}
 FIRST_JOB_ID=${LOWCOMM_SLURM_FIRST_JOB_ID:-1}
+# The lock that the project's package installs take turns on (tests/netns_helpers.py takes it too).
+APT_LOCK=/var/lock/lowcomm-apt.lock
 
 CONF="$STATE_DIR/slurm.conf"
 MUNGE_DIR="$STATE_DIR/munge"
@@ -92,12 +94,20 @@ ensure_packages() {
     fi
     command -v apt-get >/dev/null || unavailable "slurm-wlm is not installed and there is no apt-get"
     log "installing ${PACKAGES[*]} (once)"
-    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}")
-    # Refresh the package lists only when installing from the current ones fails (e.g. none yet).
-    if ! "${apt[@]}" >&2; then
-        apt-get update -q >&2 || unavailable "apt-get update failed (no network?)"
-        "${apt[@]}" >&2 || unavailable "apt-get install ${PACKAGES[*]} failed"
+    # One apt at a time: apt-get fails at once on a dpkg lock that another holds, and clusters (the
+    # suite's two pytest workers start one each) or tests installing iproute2 may start together.
+    # Whoever waited finds the packages installed.
+    exec {apt_lock}>"$APT_LOCK"
+    flock -w 900 "$apt_lock" || unavailable "waited 900 s for $APT_LOCK (another apt-get)"
+    if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+        local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}")
+        # Refresh the package lists only when installing from the current ones fails (e.g. none yet).
+        if ! "${apt[@]}" >&2; then
+            apt-get update -q >&2 || unavailable "apt-get update failed (no network?)"
+            "${apt[@]}" >&2 || unavailable "apt-get install ${PACKAGES[*]} failed"
+        fi
     fi
+    exec {apt_lock}>&-
 }
 
 ensure_munge_key() {

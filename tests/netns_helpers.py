@@ -4,6 +4,7 @@ box that must run them). A helper module, not a test itself."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -21,15 +22,22 @@ OVERHEAD_PER_MESSAGE = (200.0, 1500.0)  # bytes per metered message; measured 69
 # bytes on lo for 933,888 metered in 12 messages); the bound leaves room for three times that.
 OVERHEAD_PER_BYTE_LOADED_MAX = 0.10
 
+# slurm/local_slurm.sh's lock around apt-get (APT_LOCK there)
+APT_LOCK = "/var/lock/lowcomm-apt.lock"
+
 
 def need_iproute2() -> None:
     """iproute2 on a fresh CI box: install it the way the SLURM fixture installs slurm."""
     if shutil.which("ip"):
         return
     if shutil.which("apt-get"):
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "iproute2"], capture_output=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        # one apt at a time, on slurm/local_slurm.sh's lock: the suite's other worker may be installing
+        with open(APT_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not shutil.which("ip"):
+                subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
+                subprocess.run(["apt-get", "install", "-y", "iproute2"], capture_output=True, timeout=600,
+                               env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     if not shutil.which("ip"):
         netns_unavailable("iproute2 (ip) is not installed and could not be installed with apt-get")
 
