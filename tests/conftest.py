@@ -38,17 +38,6 @@ SLURM_FAILED_STATES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """On several pytest workers (``make test``: pytest-xdist hands out a file at a time, in this
-    order), the files with end-to-end runs (``slow`` or ``slurm`` tests) go first and the short
-    ones fill the end, so that the last minute is not one long file on one worker while the other
-    waits. Within a file the order is kept; in one process nothing is reordered."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    long_files = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("slurm")}
-    items.sort(key=lambda item: item.path not in long_files)  # stable: files stay whole, in their order
-
-
 def _slurm_unavailable(reason: str) -> None:
     if os.environ.get("LOWCOMM_REQUIRE_SLURM") == "1":
         pytest.fail(
