@@ -42,6 +42,12 @@ def need_iproute2() -> None:
         netns_unavailable("iproute2 (ip) is not installed and could not be installed with apt-get")
 
 
+def listed_namespaces() -> list[str]:
+    """The network namespaces ``ip netns list`` names now (without its ``(id: N)`` notes)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
 def netns_unavailable(reason: str) -> None:
     if os.environ.get("LOWCOMM_REQUIRE_NETNS") == "1":
         pytest.fail(f"LOWCOMM_REQUIRE_NETNS=1 but network namespaces are unavailable: {reason}", pytrace=False)

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from netns_helpers import OVERHEAD_PER_BYTE_LOADED_MAX, OVERHEAD_PER_MESSAGE, need_iproute2, netns_unavailable
+from netns_helpers import (
+    OVERHEAD_PER_BYTE_LOADED_MAX,
+    OVERHEAD_PER_MESSAGE,
+    listed_namespaces,
+    need_iproute2,
+    netns_unavailable,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -27,10 +33,6 @@ def _root():
     if os.geteuid() != 0:
         netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
     need_iproute2()
-
-
-def _listed() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_nodes_resolve_each_other_and_the_kernel_counts_inter_node_bytes_on_the_veth():
@@ -59,8 +61,7 @@ def test_nodes_resolve_each_other_and_the_kernel_counts_inter_node_bytes_on_the_
         assert SEND <= inter <= SEND * 1.25
         assert intra < 10_000  # nothing of it on the loopback
         namespaces = [node.namespace for node in nodes]
-    listed = _listed()
-    assert not any(namespace in listed for namespace in namespaces)
+    assert not set(namespaces) & set(listed_namespaces())
     assert not any(Path("/etc/netns", namespace).exists() for namespace in namespaces)
 
 
@@ -70,7 +71,7 @@ def test_everything_is_deleted_when_the_body_fails():
     with pytest.raises(RuntimeError, match="inside"), node_network(3, prefix="lctest") as nodes:
         namespaces = [node.namespace for node in nodes]
         raise RuntimeError("inside")
-    assert not any(namespace in _listed() for namespace in namespaces)
+    assert not set(namespaces) & set(listed_namespaces())
 
 
 def _all_reduce_script(rank: int, world: int, master: str) -> str:

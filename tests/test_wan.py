@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from netns_helpers import need_iproute2, netns_unavailable
+from netns_helpers import listed_namespaces, need_iproute2, netns_unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WAN = REPO_ROOT / "benchmarks" / "wan.py"
@@ -27,8 +27,7 @@ def _left_behind(result: dict) -> list[str]:
     beside it by the suite's other worker, are not its to answer for."""
     tags = {name.rsplit("-", 1)[1] for name in result["namespaces"]}
     assert tags, result["namespaces"]
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
-    return [name for name in listed if name.rsplit("-", 1)[-1] in tags]
+    return [name for name in listed_namespaces() if name.rsplit("-", 1)[-1] in tags]
 
 
 def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(tmp_path):

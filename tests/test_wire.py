@@ -42,7 +42,13 @@ from pathlib import Path
 import pytest
 
 from lowcomm.models import ModelSpec, build_model
-from netns_helpers import OVERHEAD_PER_BYTE_MAX, OVERHEAD_PER_MESSAGE, need_iproute2, netns_unavailable
+from netns_helpers import (
+    OVERHEAD_PER_BYTE_MAX,
+    OVERHEAD_PER_MESSAGE,
+    listed_namespaces,
+    need_iproute2,
+    netns_unavailable,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIRE_CHECK = REPO_ROOT / "benchmarks" / "wire_check.py"
@@ -67,8 +73,7 @@ def netns():
         yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert name not in listed, f"namespace {name} was not deleted"
+        assert name not in listed_namespaces(), f"namespace {name} was not deleted"
 
 
 @pytest.fixture(scope="module")
