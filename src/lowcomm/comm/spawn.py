@@ -119,14 +119,12 @@ def spawn_workers(
     """``fn`` must be importable (module level) so that it can be pickled to the workers.
     ``backend`` is ``init_process_group``'s: ``"cuda:gloo"`` gives a group that, like NCCL,
     refuses CPU tensors."""
-    if backend == "gloo":
-        ctx = mp.get_context("forkserver")  # Linux and macOS
-        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
-    else:
-        # workers that use CUDA (NCCL, or a backend for CUDA tensors only) start as fresh
-        # interpreters: CUDA cannot run in a process forked from one that initialised it, and
-        # that importing PRELOAD never does on a CUDA build of torch is not checked on a GPU yet
-        ctx = mp.get_context("spawn")
+    # Workers fork from a server that has imported PRELOAD and nothing else: CUDA cannot run in
+    # a process forked from one that initialised it, and importing PRELOAD does not (on an H200,
+    # 2026-11-28, forked workers ran NCCL at W=1 and gloo on CUDA tensors at W=2 while the
+    # caller itself had CUDA up).
+    ctx = mp.get_context("forkserver")  # Linux and macOS
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
     queue = ctx.Queue()
     port = free_port()
     caller = _Caller.now()
