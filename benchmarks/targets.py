@@ -41,15 +41,17 @@ VOCABULARY = 50280  # OLMo-300M's tokenizer (the ids are random: speed does not 
 TOKENS_PER_STEP = (16, 2048)  # sequences x tokens
 
 
-def optimizer_ratios(device: str, steps: int, threads: int, bucket_numel: int | None) -> dict[str, float]:
+def optimizer_ratios(device: str, steps: int, threads: int, bucket_numel: int | None,
+                     cuda_graph: bool = False) -> dict[str, float]:
     """DeMo's step over torch AdamW's (default and fused), each the median of per-round ratios."""
-    names = ["adamw", "adamw_fused", "demo"]
+    demo = "demo_graph" if cuda_graph else "demo"
+    names = ["adamw", "adamw_fused", demo]
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         timing = pool.apply(demo_step.step_times, (names, 7, False, steps, threads, device, bucket_numel))
     times = timing["times"]
-    return {"vs_adamw": demo_step.median_ratio(times, "demo", "adamw"),
-            "vs_fused": demo_step.median_ratio(times, "demo", "adamw_fused"),
-            "demo_ms": statistics.median(times["demo"]) * 1e3,
+    return {"vs_adamw": demo_step.median_ratio(times, demo, "adamw"),
+            "vs_fused": demo_step.median_ratio(times, demo, "adamw_fused"),
+            "demo_ms": statistics.median(times[demo]) * 1e3,
             "adamw_ms": statistics.median(times["adamw"]) * 1e3,
             "fused_ms": statistics.median(times["adamw_fused"]) * 1e3}
 
@@ -62,7 +64,7 @@ def random_corpus(directory: Path, tokens: int, seed: int) -> Path:
 
 
 def training_runs(steps: int, repeats: int, bucket_numel: int | None, overrides: list[str],
-                  device: str = "cuda") -> dict[str, dict]:
+                  device: str = "cuda", cuda_graph: bool = False) -> dict[str, dict]:
     """OLMo-300M, one worker (one GPU): lowcomm's AdamW-DDP and DeMo, tokens/s and MFU."""
     sequences, length = TOKENS_PER_STEP
     results = {}
@@ -74,6 +76,7 @@ def training_runs(steps: int, repeats: int, bucket_numel: int | None, overrides:
                   f"train.seq_len={length}", *overrides]
         for name in ("adamw_ddp", "demo"):
             extra = [f"optimizer.bucket_numel={bucket_numel}"] if name == "demo" and bucket_numel else []
+            extra += ["optimizer.cuda_graph=true"] if name == "demo" and cuda_graph else []
             print(f"[targets] OLMo-300M, {name}: {repeats} x 2 windows of {steps} steps", flush=True)
             result = results[name] = throughput.measure(1, steps, repeats, device,
                                                         [f"optimizer={name}", *common, *extra])
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="training windows per loop (best kept)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the optimizer rows")
     parser.add_argument("--bucket-numel", type=int, default=None, help="DeMo's optimizer.bucket_numel")
+    parser.add_argument("--cuda-graph", action="store_true", help="DeMo's optimizer.cuda_graph=true (its step "
+                                                                   "replayed as CUDA graphs; on a GPU)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the training rows, e.g. train.compile=true")
     args = parser.parse_args(argv)
 
@@ -108,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                  f"{ratios['vs_fused']:.2f}x ({ratios['demo_ms']:.1f} / {ratios['fused_ms']:.1f} ms)", "<= 4x",
                  ratios["vs_fused"] <= 4)
     else:
-        ratios = optimizer_ratios("cuda", args.steps, args.threads, args.bucket_numel)
+        ratios = optimizer_ratios("cuda", args.steps, args.threads, args.bucket_numel, args.cuda_graph)
         measured("GPU, DeMo step / torch AdamW step, 117.4M params",
                  f"{ratios['vs_adamw']:.2f}x ({ratios['demo_ms']:.1f} / {ratios['adamw_ms']:.1f} ms; "
                  f"fused AdamW {ratios['fused_ms']:.1f} ms)", "<= 2x", ratios["vs_adamw"] <= 2)
-        steps = training_runs(3 * args.steps, args.repeats, args.bucket_numel, args.overrides)
+        steps = training_runs(3 * args.steps, args.repeats, args.bucket_numel, args.overrides,
+                              cuda_graph=args.cuda_graph)
         adamw, demo = steps["adamw_ddp"], steps["demo"]
         slower = adamw["lowcomm"] / demo["lowcomm"]  # tokens/s, so the step-time ratio
         measured("GPU, DeMo's 300M training step / AdamW-DDP's, W=1",

@@ -68,6 +68,95 @@ def test_demo_steps_on_cuda_as_on_the_cpu():
         assert (cpu - cuda).abs().max() <= 3 * 2 * lr + 1e-6  # at most one flipped sign per step
 
 
+def _graphed_demo_worker(rank: int, world: int, bucket_numel: int) -> dict:  # noqa: ARG001
+    """DeMo eager and captured as CUDA graphs (NCCL, W=1) over one schedule: an lr that changes
+    every step, weight decay in one of two groups, new gradient tensors every step (as
+    ``zero_grad(set_to_none=True)`` leaves them); then a checkpoint of step 4 loaded back."""
+    import io
+
+    from lowcomm.optim import DeMo, DeMoArgs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    steps, results = 8, {}
+    for cuda_graph in (False, True):
+        comm = Communicator()
+        params = _params("cuda")
+        groups = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}]
+        optimizer = DeMo(groups, DeMoArgs.defaults(weight_decay=0.1, bucket_numel=bucket_numel,
+                                                   cuda_graph=cuda_graph), comm)
+        captured, saved = [], None
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = 4e-4 * (1 + step)
+            for param, grad in zip(params, _gradients(step), strict=True):
+                param.grad = grad.cuda()
+            optimizer.step()
+            captured.append(optimizer._graphs is not None)
+            if step == 3:
+                buffer = io.BytesIO()
+                torch.save({"optimizer": optimizer.state_dict(), "params": [p.detach().cpu() for p in params]}, buffer)
+                saved = buffer.getvalue()
+        result = {"params": [param.detach().cpu() for param in params], "captured": captured,
+                  "bytes": comm.meter.breakdown(), "steps": [optimizer.state[param]["step"] for param in params]}
+        # back to step 4: the momenta move (a capture reading the old ones must go), then 4 steps again
+        checkpoint = torch.load(io.BytesIO(saved), weights_only=False)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for param, kept in zip(params, checkpoint["params"], strict=True):
+            param.data.copy_(kept)
+        resumed = []
+        for step in range(4, steps):
+            for group in optimizer.param_groups:
+                group["lr"] = 4e-4 * (1 + step)
+            for param, grad in zip(params, _gradients(step), strict=True):
+                param.grad = grad.cuda()
+            optimizer.step()
+            resumed.append(optimizer._graphs is not None)
+        result.update(resumed_params=[param.detach().cpu() for param in params], resumed_captured=resumed)
+        results[cuda_graph] = result
+    return results
+
+
+@pytest.mark.parametrize("bucket_numel", [1, 10**9], ids=["bucket_per_parameter", "one_bucket"])
+def test_demo_captured_as_cuda_graphs_steps_as_eager(bucket_numel):
+    """After two eager warm-up steps the step is captured and replayed; a replay updates the
+    parameters as the eager step does (sign updates: up to a flipped sign where the decoded
+    aggregate is within float32 rounding of zero, the momentum's accumulation rounding
+    differently: a transform then a multiply-add instead of one scaled product), sends the same
+    bytes through the same calls, and counts the steps. A loaded checkpoint drops the capture:
+    two eager steps, then a new one; the run goes on as the eager run resumed from there."""
+    eager, graphed = spawn_workers(_graphed_demo_worker, 1, bucket_numel, backend="nccl")[0].values()
+    assert eager["captured"] == [False] * 8 and eager["resumed_captured"] == [False] * 4
+    assert graphed["captured"] == [False, False] + [True] * 6
+    assert graphed["resumed_captured"] == [False, False, True, True]
+    assert graphed["bytes"] == eager["bytes"] and graphed["steps"] == eager["steps"] == [8] * len(SHAPES)
+    largest_lr = 4e-4 * 8
+    for key in ("params", "resumed_params"):
+        for mine, theirs in zip(graphed[key], eager[key], strict=True):
+            differ = (mine - theirs).abs() > 1e-6
+            assert differ.float().mean() < 1e-3, f"{key}: {differ.sum()} of {differ.numel()} entries differ"
+            assert (mine - theirs).abs().max() <= 8 * 2 * largest_lr + 1e-6
+
+
+def test_demo_trains_captured_as_it_trains_eager_on_a_gpu(tmp_path):
+    """``optimizer.cuda_graph=true`` through the harness (the loop's lr schedule, clipping,
+    ``zero_grad(set_to_none=True)``, validation): the run finishes, its losses and bytes are the
+    eager run's (losses within bf16 autocast's rounding)."""
+    point = next(point for point in ONE_POINT_PER_OPTIMIZER if point.startswith("optimizer=demo|"))
+    overrides = at_world_size_one(QUICKSTART[point])
+    results = {}
+    for setting in ("false", "true"):
+        run = tiny_run(tmp_path / setting, *overrides, "cluster.device=cuda", f"optimizer.cuda_graph={setting}",
+                       "train.eval_every=3", "train.eval_instances=6", workers=1, max_steps=6)
+        launch_local(run)
+        records = read_metrics(run.run_dir / "metrics.jsonl")
+        results[setting] = ([r["train/loss"] for r in records if "train/loss" in r],
+                            [r["comm/cum_payload_MB"] for r in records if "comm/cum_payload_MB" in r])
+    (eager_losses, eager_bytes), (graphed_losses, graphed_bytes) = results["false"], results["true"]
+    assert len(graphed_losses) == 6
+    assert graphed_losses == pytest.approx(eager_losses, rel=2e-2)
+    assert graphed_bytes == eager_bytes
+
+
 def test_ordered_index_add_on_cuda_is_the_cpus_sum_bit_for_bit():
     from lowcomm.compress.dct_topk import ordered_index_add_
 

@@ -534,6 +534,90 @@ def test_the_one_bucket_exchange_is_a_config_setting():
         strategy("optimizer.bucket_numel=0")
 
 
+# ------------------------------------------------------------ a captured step
+def captured_arithmetic_step(optimizer: DeMo) -> None:
+    """One step computed as a captured step computes it (``cuda_graph``: each group's lr a 0-d
+    tensor, the step counts kept outside the graphs, as ``DeMo._replay`` keeps them), run eagerly:
+    its arithmetic checked on the CPU. Capturing needs a GPU (tests/test_cuda_kernels.py)."""
+    buckets = optimizer._buckets()
+    for bucket in buckets:
+        for param, _ in bucket:
+            optimizer.state[param]["step"] = optimizer.state[param].get("step", 0) + 1
+    optimizer._lrs = {id(group): torch.tensor(group["lr"], dtype=F64) for group in optimizer.param_groups}
+    try:
+        with torch.no_grad():
+            optimizer._eager_step(buckets)
+    finally:
+        optimizer._lrs = None
+
+
+@pytest.mark.parametrize("bucket_numel", [1, 10**9])
+@pytest.mark.parametrize("name", [name for name in RUNS if not name.startswith("random")])
+def test_a_captured_steps_arithmetic_is_the_eager_steps(name, bucket_numel):
+    """Learning rates as tensors (a schedule that changes every step, two groups with one lr,
+    which an eager step joins in one run and a captured step keeps apart), weight decay,
+    gradients as new tensors every step: the parameters and momenta equal the eager step's to
+    float64 rounding (the momentum's ``beta m + lr P(g)`` is one scaled accumulation eagerly and
+    a transform then a multiply-add when captured)."""
+    results = []
+    for captured in (False, True):
+        params = initial_params()
+        groups = [{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.05}]
+        optimizer = make_demo(groups, {**RUNS[name], "weight_decay": 0.1}, bucket_numel=bucket_numel)
+        for step in range(STEPS):
+            for group in optimizer.param_groups:
+                group["lr"] = LR * (1 + step) / STEPS
+            for index, param in enumerate(params):
+                param.grad = gradient(0, step, index)
+            captured_arithmetic_step(optimizer) if captured else optimizer.step()
+        momenta = [optimizer.state[param][optimizer._momentum_key] for param in params]
+        results.append(([param.detach() for param in params], momenta,
+                         [optimizer.state[param]["step"] for param in params]))
+    (params, momenta, steps), (captured_params, captured_momenta, captured_steps) = results
+    assert captured_steps == steps == [STEPS] * len(SHAPES)
+    torch.testing.assert_close(captured_params, params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(captured_momenta, momenta, rtol=1e-12, atol=1e-14)
+
+
+def test_cuda_graph_leaves_a_cpu_step_as_it_was():
+    """``cuda_graph=true`` is ignored on the CPU: bit for bit the step without it (a laptop runs
+    a cluster's config unchanged)."""
+    results = []
+    for cuda_graph in (False, True):
+        params = initial_params()
+        optimizer = make_demo(params, {"weight_decay": 0.1}, cuda_graph=cuda_graph)
+        run_steps(optimizer, params, 0, range(3))
+        assert optimizer._graphs is None
+        results.append([param.detach() for param in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_cuda_graph_is_refused_where_a_step_cannot_be_captured():
+    """Before launch, by name: a basis drawn every step; FlexDeMo and DisTrO (their steps are not
+    DeMo's). Their optimizers refuse it too, when built outside the harness."""
+    from lowcomm.optim.distro import DisTrO, DisTrOArgs
+    from lowcomm.optim.flexdemo import FlexDeMo
+
+    def errors(*overrides):
+        raw = OmegaConf.to_container(compose(list(overrides)), resolve=True)
+        with pytest.raises(ConfigError) as caught:
+            validate_optimizer(raw)
+        return str(caught.value)
+
+    assert "optimizer.cuda_graph needs a fixed basis" in errors(
+        "optimizer=demo", "optimizer.cuda_graph=true", "optimizer.projection=random")
+    for name in ("flexdemo", "distro"):
+        assert f"optimizer.cuda_graph is DeMo's alone, not {name}'s" in errors(
+            f"optimizer={name}", "optimizer.cuda_graph=true")
+    raw = OmegaConf.to_container(compose(["optimizer=demo", "optimizer.cuda_graph=true"]), resolve=True)
+    assert validate_optimizer(raw)[1].cuda_graph is True
+    param = [torch.nn.Parameter(torch.zeros(4, 4))]
+    with pytest.raises(ValueError, match="cuda_graph is DeMo's alone; FlexDeMo's step cannot be captured"):
+        FlexDeMo(param, DeMoArgs.defaults(cuda_graph=True))
+    with pytest.raises(ValueError, match="cuda_graph is DeMo's alone, not distro's"):
+        DisTrO(param, DisTrOArgs.defaults(cuda_graph=True))
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("wire", ["paper", "compact", "sign", "signbit"])
 def test_a_stacks_gathered_payloads_are_aggregated_as_one(wire, kernels, monkeypatch):

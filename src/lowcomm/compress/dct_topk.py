@@ -33,6 +33,7 @@ the result is deterministic and identical on every worker, on CUDA too.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -83,14 +84,19 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """A bool tensor -> uint8 (ceil(n / 8),), bit j of byte i = ``bits.flatten()[8 i + j]``."""
     flat = bits.reshape(-1).to(torch.uint8)
     flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (flat.view(-1, 8) * _bit_weights(bits.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """The first ``count`` bits of each row of ``packed`` (..., bytes) -> bool (..., count)."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    return (packed.unsqueeze(-1) & weights).ne(0).flatten(-2)[..., :count]
+    return (packed.unsqueeze(-1) & _bit_weights(packed.device)).ne(0).flatten(-2)[..., :count]
+
+
+@functools.lru_cache(maxsize=8)
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """Each bit's value in a byte, on ``device``: made once (a copy from the host inside a
+    captured CUDA graph is not allowed). Read-only."""
+    return torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
 
 
 def ordered_index_add_(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ class DisTrO(DeMo):
     flight across the next forward/backward, and Psyche's lookahead. Use it as DeMo:
     ``DisTrO(model.parameters(), DisTrOArgs.defaults(), comm)``."""
 
+    graphable = False  # its step applies the last step's aggregate: DeMo's captured order does not hold
+
     def __init__(self, params, args: DisTrOArgs, comm: Communicator | None = None):
         super().__init__(params, args, comm)
         self.lookahead = args.lookahead

@@ -125,6 +125,8 @@ class FlexDeMo(DeMo):
         comm: the Communicator of this rank's replication group (what DeMo all-gathers over).
     """
 
+    graphable = False  # each step re-points the shards, which a captured step would not see
+
     def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
