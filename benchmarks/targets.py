@@ -12,13 +12,16 @@ interleaved rounds, medians of per-round ratios), the training rows from
 ``benchmarks/throughput.py`` (lowcomm's own loop, one worker, OLMo-300M on random token ids
 through ``data=memmap``, 16 sequences of 2,048 tokens per step, best of ``--repeats`` windows).
 With ``--device cpu`` only the CPU row is measured; with ``--device cuda`` the three GPU rows
-(one GPU), the model compiled as ``train.compile``'s default does on a GPU (over 320 s on an
-H200, about a minute of it compiling each 300M run; 187 s eager, ``train.compile=false``).
-Each row is printed as soon as it is measured, then the table.
+(one GPU), the model compiled as ``train.compile``'s default (``auto``) does on a GPU (over
+320 s on an H200, about a minute of it compiling each 300M run; 187 s eager,
+``train.compile=false``). DeMo's bucket is its GPU default (200M elements: one bucket for the
+optimizer rows' 117.4M parameters) unless ``--bucket-numel``; ``--cuda-graph`` replays its step
+as CUDA graphs, in both kinds of row. Each row is printed as soon as it is measured, then the
+table.
 
     python benchmarks/targets.py                     # CPU row, about 15 s
-    python benchmarks/targets.py --device cuda --threads 8
-    python benchmarks/targets.py --device cuda --threads 8 --bucket-numel 200000000 train.compile=false
+    python benchmarks/targets.py --device cuda --threads 8 --repeats 1
+    python benchmarks/targets.py --device cuda --threads 8 --cuda-graph train.compile=false
 """
 
 from __future__ import annotations

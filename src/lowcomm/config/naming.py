@@ -10,6 +10,8 @@ from typing import Any
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
               "divergence_factor", "compile")
+# and the optimizer's: how its step runs (DeMo's CUDA graphs: the eager step's updates to rounding)
+_OPTIMIZER_LOGISTICS = ("cuda_graph",)
 # keys added after runs were named, per config group, with what every run before them did: at
 # these values they leave the name as it was, so a run started before they existed still finds its
 # checkpoints (and load_run_config fills them in for a config saved before them)
@@ -23,6 +25,8 @@ def what_is_trained(raw: dict[str, Any]) -> dict[str, Any]:
     semantic = {k: v for k, v in raw.items() if k not in _NOT_IN_RUN_NAME}
     if isinstance(raw.get("train"), dict):  # (a hand-made config a report reads may have none)
         semantic["train"] = {k: v for k, v in raw["train"].items() if k not in _LOGISTICS}
+    if isinstance(raw.get("optimizer"), dict):
+        semantic["optimizer"] = {k: v for k, v in raw["optimizer"].items() if k not in _OPTIMIZER_LOGISTICS}
     return semantic
 
 
