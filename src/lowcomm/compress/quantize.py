@@ -76,9 +76,12 @@ def statistical_codes(values: torch.Tensor, bits: int, range_sigmas: float) -> t
     # no spread (a constant or a single value): every entry lands in the middle bin, exactly
     step = torch.where((step > 0) & step.isfinite(), step, torch.ones_like(step))
     codes = (centred / step + bins // 2).round_().clamp_(0, bins - 1).to(torch.uint8)
-    sums = torch.bincount(codes.long(), weights=centred, minlength=bins)
-    counts = torch.bincount(codes.long(), minlength=bins).float().clamp_(min=1)
-    return codes, sums / counts + shift
+    # per-bin sums and counts as bincount makes them (the same adds in the same order on the
+    # CPU), without its wait for the device on a GPU, where it reads the largest code back
+    where = codes.long()
+    sums = centred.new_zeros(bins).index_add_(0, where, centred)
+    counts = torch.zeros(bins, dtype=torch.long, device=where.device).index_add_(0, where, torch.ones_like(where))
+    return codes, sums / counts.float().clamp_(min=1) + shift
 
 
 @register_codec("quantize")
