@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 
@@ -134,11 +135,12 @@ def test_keys_added_to_train_keep_the_names_of_runs_started_before_them():
         assert derive_run_name(compiled, 4) == derive_run_name(before, 4)
         # how it runs: a resume may switch it without being refused as another run
         assert changed_keys(what_is_trained(compiled), what_is_trained(with_defaults)) == []
-    for setting in (False, True):  # DeMo's step as CUDA graphs: how it runs, as compile
-        graphed = copy.deepcopy(with_defaults)
-        graphed["optimizer"]["cuda_graph"] = setting
-        assert derive_run_name(graphed, 4) == derive_run_name(before, 4)
-        assert changed_keys(what_is_trained(graphed), what_is_trained(with_defaults)) == []
+    graphed = {}  # DeMo's step as CUDA graphs: how it runs, as compile
+    for setting in (False, True):
+        graphed[setting] = copy.deepcopy(with_defaults)
+        graphed[setting]["optimizer"]["cuda_graph"] = setting
+        assert derive_run_name(graphed[setting], 4) == derive_run_name(before, 4)
+    assert changed_keys(what_is_trained(graphed[False]), what_is_trained(graphed[True])) == []
     bf16 = copy.deepcopy(with_defaults)
     bf16["train"]["param_dtype"] = "bf16"
     assert derive_run_name(bf16, 4) != derive_run_name(before, 4)
@@ -167,21 +169,32 @@ def test_ddp_bucket_size_is_a_checked_setting_that_keeps_earlier_names(tmp_path,
     assert strategy.comm_overlap(larger.optimizer, 319_946_752) == pytest.approx(2 / 3 * 12 / 13)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw_ddp", "muon_ddp", "powersgd"])
-def test_a_ddp_run_config_saved_before_the_bucket_setting_loads_with_the_size_it_trained_with(tmp_path, optimizer):
-    """A requeued job or lowcomm-wallclock reads a config.yaml written before
-    optimizer.bucket_cap_mb existed: it validates, with the 25 MiB such a run used, under its name."""
+def _keys_added_later() -> list[tuple[str, str]]:
+    """(optimizer, key) for every registered strategy whose config has a key added since runs were
+    saved (OPTIMIZER_KEYS_ADDED): a new strategy with such a key is covered without being listed."""
+    from lowcomm.config.schema import OPTIMIZER_KEYS_ADDED
+
+    return [(name, key) for name, strategy in sorted(STRATEGIES.items())
+            for key in OPTIMIZER_KEYS_ADDED if key in {field.name for field in dataclasses.fields(strategy.Config)}]
+
+
+@pytest.mark.parametrize("optimizer, key", _keys_added_later())
+def test_a_run_config_saved_before_a_key_existed_loads_with_what_it_trained_with(tmp_path, optimizer, key):
+    """A requeued job or lowcomm-wallclock reads a config.yaml written before ``optimizer.<key>``
+    existed (DDP's bucket_cap_mb: 25 MiB; DeMo's bucket_numel: null, cuda_graph: false): it
+    validates, with the value such a run used, under its name."""
     from omegaconf import OmegaConf
 
     from lowcomm.config import load_run_config
+    from lowcomm.config.schema import OPTIMIZER_KEYS_ADDED
 
     run = tiny_run(tmp_path, f"optimizer={optimizer}")
     raw = copy.deepcopy(run.raw)
-    del raw["optimizer"]["bucket_cap_mb"]
+    del raw["optimizer"][key]
     path = tmp_path / "config.yaml"
     OmegaConf.save(OmegaConf.create(raw), path)
     upgraded = validate(load_run_config(path))
-    assert upgraded.optimizer.bucket_cap_mb == 25 and upgraded.run_name == run.run_name
+    assert getattr(upgraded.optimizer, key) == OPTIMIZER_KEYS_ADDED[key] and upgraded.run_name == run.run_name
 
 
 def test_a_bad_cpu_kernel_switch_is_refused_before_anything_is_spawned(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.dct import random_orthonormal_basis
-from lowcomm.config import ConfigError, validate_optimizer
+from lowcomm.config import ConfigError, validate, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.optim import DeMo, DeMoArgs, demo_payload_bytes
@@ -535,44 +535,142 @@ def test_the_one_bucket_exchange_is_a_config_setting():
 
 
 # ------------------------------------------------------------ a captured step
-def captured_arithmetic_step(optimizer: DeMo) -> None:
-    """One step computed as a captured step computes it (``cuda_graph``: each group's lr a 0-d
-    tensor, the step counts kept outside the graphs, as ``DeMo._replay`` keeps them), run eagerly:
-    its arithmetic checked on the CPU. Capturing needs a GPU (tests/test_cuda_kernels.py)."""
-    buckets = optimizer._buckets()
-    for bucket in buckets:
-        for param, _ in bucket:
-            optimizer.state[param]["step"] = optimizer.state[param].get("step", 0) + 1
-    optimizer._lrs = {id(group): torch.tensor(group["lr"], dtype=F64) for group in optimizer.param_groups}
-    try:
-        with torch.no_grad():
-            optimizer._eager_step(buckets)
-    finally:
-        optimizer._lrs = None
+class RecordingGraphs:
+    """CUDA graphs stood in for on the CPU (CI has no GPU), as ``DeMo.graph_runtime``. A capture
+    of an encoding runs the call once to learn what it returns and then puts back every
+    parameter and momentum it changed; a decoding (which returns nothing, and whose all-gathered
+    input is not there yet) is not run (a real capture runs nothing); a replay runs the call as
+    a graph runs its kernels:
+    on the capture's gradient tensors and learning-rate tensors, its results copied into the
+    captured outputs. What this checks is DeMo's bookkeeping around the graphs: when it warms
+    up, captures, replays and drops a capture, the gradients it copies, the buffers the
+    all-gathers fill, the step counts. CUDA's graphs themselves: tests/test_cuda_kernels.py."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.warm_ups = self.captures = self.replays = 0
+
+    @staticmethod
+    def serves(params) -> bool:  # noqa: ARG004
+        return True
+
+    def warm_up(self, step) -> None:
+        self.warm_ups += 1
+        step()
+
+    def new_pool(self) -> None:
+        self.captures += 1
+
+    def capture(self, function, *args):
+        optimizer = function.__self__
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        result = None
+        if function.__func__ is not DeMo._decode_bucket:
+            changed = [*params, *(state[optimizer._momentum_key] for state in optimizer.state.values())]
+            kept = [tensor.clone() for tensor in changed]
+            result = function(*args)
+            for tensor, before in zip(changed, kept, strict=True):
+                tensor.copy_(before)
+        return _RecordedGraph(self, function, args, optimizer._lrs, {param: param.grad for param in params}, result), result
+
+
+class _RecordedGraph:
+    def __init__(self, runtime, function, args, lrs, grads, result):
+        self.runtime, self.function, self.args, self.lrs, self.grads, self.result = runtime, function, args, lrs, grads, result
+
+    def replay(self) -> None:
+        optimizer = self.function.__self__
+        now = {param: param.grad for param in self.grads}
+        for param, grad in self.grads.items():
+            param.grad = grad
+        optimizer._lrs = self.lrs
+        try:
+            result = self.function(*self.args)
+        finally:
+            optimizer._lrs = None
+            for param, grad in now.items():
+                param.grad = grad
+        if result is not None:  # an encoding: its payloads into the buffers the all-gathers read
+            for dtype, flat in result.flats.items():
+                self.result.flats[dtype].copy_(flat)
+        self.runtime.replays += 1
+
+
+@pytest.mark.parametrize("bucket_numel", [1, 10**9])
+def test_a_captured_step_warms_up_captures_replays_and_drops_its_capture_as_it_should(monkeypatch, bucket_numel):
+    """DeMo's captured step with CUDA's graphs stood in for (:class:`RecordingGraphs`), against
+    the eager step, over 14 steps: an lr that changes every step, new gradient tensors every
+    step, a parameter without a gradient at step 6 and a checkpoint of step 4 loaded before step
+    10. Each change of what the capture holds fixed drops it: two eager warm-up steps, then a
+    capture. Parameters and momenta equal the eager run's to float64 rounding; bytes and step
+    counts equal."""
+    from lowcomm.optim import demo as demo_module
+
+    monkeypatch.setattr(demo_module.DeMo, "graph_runtime", RecordingGraphs)
+    results = []
+    for cuda_graph in (False, True):
+        comm = Communicator()
+        params = initial_params()
+        groups = [{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.05}]
+        optimizer = make_demo(groups, {"weight_decay": 0.1}, comm=comm, bucket_numel=bucket_numel,
+                              cuda_graph=cuda_graph)
+        saved = None
+        for step in range(14):
+            if step == 10:
+                optimizer.load_state_dict(saved["optimizer"])
+                for param, kept in zip(params, saved["params"], strict=True):
+                    param.data.copy_(kept)
+            for group in optimizer.param_groups:
+                group["lr"] = LR * (1 + step) / 14
+            for index, param in enumerate(params):
+                param.grad = None if (step, index) == (6, 1) else gradient(0, step, index)
+            optimizer.step()
+            if step == 4:
+                buffer = io.BytesIO()
+                torch.save({"optimizer": optimizer.state_dict(), "params": [p.detach().clone() for p in params]}, buffer)
+                saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        results.append(([param.detach() for param in params],
+                        [optimizer.state[param][optimizer._momentum_key] for param in params],
+                        [optimizer.state[param]["step"] for param in params], comm.meter.breakdown(), optimizer._runtime))
+    (params, momenta, steps, sent, runtime), (graphed_params, graphed_momenta, graphed_steps, graphed_sent, recorded) = results
+    assert runtime is None
+    # warm-ups at steps 0-1, 6 (a parameter without gradient), 7-8, 10-11 (the checkpoint);
+    # captures at steps 2, 9 and 12; replays at 2-5, 9 and 12-13, two per bucket each
+    buckets = len(optimizer._buckets())
+    assert (recorded.warm_ups, recorded.captures, recorded.replays) == (7, 3, 2 * buckets * 7)
+    assert graphed_steps == steps and graphed_sent == sent
+    torch.testing.assert_close(graphed_params, params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(graphed_momenta, momenta, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("bucket_numel", [1, 10**9])
 @pytest.mark.parametrize("name", [name for name in RUNS if not name.startswith("random")])
-def test_a_captured_steps_arithmetic_is_the_eager_steps(name, bucket_numel):
-    """Learning rates as tensors (a schedule that changes every step, two groups with one lr,
-    which an eager step joins in one run and a captured step keeps apart), weight decay,
-    gradients as new tensors every step: the parameters and momenta equal the eager step's to
-    float64 rounding (the momentum's ``beta m + lr P(g)`` is one scaled accumulation eagerly and
-    a transform then a multiply-add when captured)."""
+def test_a_captured_steps_arithmetic_is_the_eager_steps(monkeypatch, name, bucket_numel):
+    """Every fixed-basis run captured (:class:`RecordingGraphs`): learning rates as tensors (a
+    schedule that changes every step, two groups with one lr, which an eager step joins in one
+    run and a captured step keeps apart), weight decay, new gradient tensors every step: the
+    parameters and momenta equal the eager step's to float64 rounding (the momentum's ``beta m
+    + lr P(g)`` is one scaled accumulation eagerly and a transform then a multiply-add when
+    captured)."""
+    from lowcomm.optim import demo as demo_module
+
+    monkeypatch.setattr(demo_module.DeMo, "graph_runtime", RecordingGraphs)
     results = []
-    for captured in (False, True):
+    for cuda_graph in (False, True):
         params = initial_params()
         groups = [{"params": params[:4]}, {"params": params[4:], "weight_decay": 0.05}]
-        optimizer = make_demo(groups, {**RUNS[name], "weight_decay": 0.1}, bucket_numel=bucket_numel)
+        optimizer = make_demo(groups, {**RUNS[name], "weight_decay": 0.1}, bucket_numel=bucket_numel,
+                              cuda_graph=cuda_graph)
         for step in range(STEPS):
             for group in optimizer.param_groups:
                 group["lr"] = LR * (1 + step) / STEPS
             for index, param in enumerate(params):
                 param.grad = gradient(0, step, index)
-            captured_arithmetic_step(optimizer) if captured else optimizer.step()
+            optimizer.step()
         momenta = [optimizer.state[param][optimizer._momentum_key] for param in params]
         results.append(([param.detach() for param in params], momenta,
-                         [optimizer.state[param]["step"] for param in params]))
+                        [optimizer.state[param]["step"] for param in params]))
+    assert optimizer._runtime.replays == 2 * len(optimizer._buckets()) * (STEPS - 2)
     (params, momenta, steps), (captured_params, captured_momenta, captured_steps) = results
     assert captured_steps == steps == [STEPS] * len(SHAPES)
     torch.testing.assert_close(captured_params, params, rtol=1e-12, atol=1e-14)
@@ -594,7 +692,7 @@ def test_cuda_graph_leaves_a_cpu_step_as_it_was():
 
 def test_cuda_graph_is_refused_where_a_step_cannot_be_captured():
     """Before launch, by name: a basis drawn every step; FlexDeMo and DisTrO (their steps are not
-    DeMo's). Their optimizers refuse it too, when built outside the harness."""
+    DeMo's); bf16 weights. The optimizers refuse it too, when built outside the harness."""
     from lowcomm.optim.distro import DisTrO, DisTrOArgs
     from lowcomm.optim.flexdemo import FlexDeMo
 
@@ -611,6 +709,8 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured():
             f"optimizer={name}", "optimizer.cuda_graph=true")
     raw = OmegaConf.to_container(compose(["optimizer=demo", "optimizer.cuda_graph=true"]), resolve=True)
     assert validate_optimizer(raw)[1].cuda_graph is True
+    with pytest.raises(ConfigError, match=r"optimizer.cuda_graph=true needs train.param_dtype=fp32, got bf16"):
+        validate(compose(["optimizer=demo", "optimizer.cuda_graph=true", "train.param_dtype=bf16"]))
     param = [torch.nn.Parameter(torch.zeros(4, 4))]
     with pytest.raises(ValueError, match="cuda_graph is DeMo's alone; FlexDeMo's step cannot be captured"):
         FlexDeMo(param, DeMoArgs.defaults(cuda_graph=True))

@@ -54,10 +54,10 @@ def test_a_workers_exception_is_raised_with_its_traceback():
         spawn_workers(_fail, 2, timeout_s=60)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])  # forked from the server; spawned (CUDA's)
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])  # both forked from the server; cuda:gloo adds a gloo group
 def test_a_workers_output_goes_where_the_callers_goes_at_the_call(capfd, backend):
-    """Not to where the fork server's went when an earlier call started it; a spawned worker's
-    (CUDA's) keeps its stdout open."""
+    """Not to where the fork server's went when an earlier call started it, whatever the
+    backend (until 2026-11-28 a CUDA backend's workers were spawned, not forked)."""
     spawn_workers(_where, 1)
     capfd.readouterr()
     spawn_workers(_say, 2, backend=backend)

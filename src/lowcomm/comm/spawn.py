@@ -1,11 +1,12 @@
-"""Run a function on W local processes joined by a real gloo process group.
+"""Run a function on W local processes joined by a real process group (gloo by default; NCCL
+or ``cuda:gloo`` for workers on GPUs).
 
 Used by the tests, the benchmarks and anything else that needs a few CPU workers without the
 full training launcher: ``results = spawn_workers(fn, world_size, *args)`` calls
 ``fn(rank, world_size, *args)`` in each process (after ``init_process_group``) and returns
 the W return values in rank order. A worker's exception is re-raised here with its traceback.
 
-Gloo's workers are forked from a fork server, started at the first call, that has imported
+Workers are forked from a fork server, started at the first call, that has imported
 torch once (``PRELOAD``): a worker then starts in a tenth of a second instead of the two to four
 seconds a fresh interpreter spends importing torch, which is what made a test of a few
 milliseconds of collectives take seconds. Each worker still runs in a process of its own, with

@@ -115,7 +115,7 @@ class BlockLayout:
         return positions.add_(start) if start else positions
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: DeMo's captured step (CUDA graphs) reads them by address
 def _index_tables(layout: BlockLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`BlockLayout.global_index`'s small tables, built once per layout and device (a
     step asks for them once per parameter stack, and on a GPU each build is eight kernel launches):

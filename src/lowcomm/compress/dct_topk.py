@@ -92,7 +92,7 @@ def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     return (packed.unsqueeze(-1) & _bit_weights(packed.device)).ne(0).flatten(-2)[..., :count]
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache  # never evicted: a captured step reads it by address
 def _bit_weights(device: torch.device) -> torch.Tensor:
     """Each bit's value in a byte, on ``device``: made once (a copy from the host inside a
     captured CUDA graph is not allowed). Read-only."""

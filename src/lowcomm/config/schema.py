@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,6 @@ from lowcomm.config.naming import ADDED_LATER
 from lowcomm.hardware import RANK_WRITE_MBPS
 from lowcomm.models.olmo import ModelSpec
 from lowcomm.strategies import STRATEGIES
-from lowcomm.strategies.ddp import DDPConfig
 
 
 class ConfigError(ValueError):
@@ -166,6 +166,10 @@ class RunConfig:
 # few scalars. Anything else (a typo such as `+optimzer=demo`) is an error, never silently kept.
 # What a run had before lowcomm set a collective timeout: torch's default for gloo groups.
 TORCH_DEFAULT_TIMEOUT_S = 1800
+# optimizer keys added after runs were saved, with what every run before them did; each is set in
+# an older config.yaml of a strategy whose config has it (load_run_config)
+OPTIMIZER_KEYS_ADDED = {"bucket_cap_mb": ADDED_LATER["optimizer"]["bucket_cap_mb"], "bucket_numel": None,
+                        "cuda_graph": False}
 
 SECTIONS = ("model", "optimizer", "compression", "data", "train", "cluster", "wandb")
 TOP_LEVEL_KEYS = (*SECTIONS, "experiment", "experiment_name", "run_root", "run_name", "label", "seed")
@@ -185,6 +189,8 @@ def load_run_config(path: str | Path) -> DictConfig:
       every group of such a run had (lowcomm set none).
     - ``optimizer.bucket_cap_mb`` (every DDP method: AdamW-DDP, Muon-DDP, PowerSGD): 25, the DDP
       bucket size lowcomm passed before it was a setting.
+    - DeMo's, FlexDeMo's and DisTrO's ``optimizer.bucket_numel`` (null, the size before it was a
+      setting) and ``optimizer.cuda_graph`` (false).
     """
     cfg = OmegaConf.load(path)
     cluster = cfg.get("cluster")
@@ -197,8 +203,11 @@ def load_run_config(path: str | Path) -> DictConfig:
     if name in ("diloco", "muloco", "streaming_diloco") and "exchange" not in optimizer:
         optimizer["exchange"] = "all_gather"
     strategy = STRATEGIES.get(name)
-    if strategy is not None and issubclass(strategy.Config, DDPConfig) and "bucket_cap_mb" not in optimizer:
-        optimizer["bucket_cap_mb"] = ADDED_LATER["optimizer"]["bucket_cap_mb"]
+    if strategy is not None:
+        fields = {field.name for field in dataclasses.fields(strategy.Config)}
+        for key, value in OPTIMIZER_KEYS_ADDED.items():
+            if key in fields and key not in optimizer:
+                optimizer[key] = value
     if name == "sparseloco":
         if optimizer.get("wire") == "paper":
             optimizer["wire"] = "reference"

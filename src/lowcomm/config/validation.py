@@ -206,6 +206,9 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
         _one_of(wandb.mode, ("offline", "online", "disabled"), "wandb.mode", errors)
     if train is not None:
         _validate_train(train, model, cluster, errors)
+        if getattr(optimizer, "cuda_graph", False) and train.param_dtype != "fp32":
+            errors.append(f"optimizer.cuda_graph=true needs train.param_dtype=fp32, got {train.param_dtype}: a "
+                          "captured step's learning rate is a tensor, which bf16 weights' arithmetic rounds to bf16")
     if optimizer is not None and cluster is not None and cluster.world_size >= 1:
         errors += STRATEGIES[opt_name].check_layout(optimizer, cluster.world_size, cluster.local_world_size)
     if data is not None and train is not None:

@@ -190,25 +190,61 @@ class _Graphs:
     the Communicator as always (the same calls, bytes and meter). A step costs a few graph
     launches instead of hundreds of kernel launches and their host work.
 
-    What a graph reads must stay where it was at the capture: the gradients (a new gradient
-    tensor is copied into the captured one), the momenta (a moved one, e.g. after
-    ``load_state_dict``, drops the capture: :meth:`fits`), the learning rates (0-d tensors,
-    filled from the groups before each replay)."""
+    A graph reads and writes memory by address, and its arithmetic's constants are fixed at the
+    capture. What changes from step to step is brought to it: the learning rates (0-d tensors,
+    filled from the groups before each replay) and the gradients (a new gradient tensor is
+    copied into the captured one: with ``zero_grad(set_to_none=True)``, as lowcomm's loop calls
+    it, one gradient-sized copy per step and one gradient-sized buffer held). The rest is in
+    :meth:`DeMo._signature`: which parameters step and where they and their momenta lie, the
+    groups and their other settings. A step whose signature is not the capture's drops it (a
+    loaded checkpoint, a parameter without a gradient, a changed weight decay): two eager steps
+    later the step is captured anew. The work space, the DCT bases and the index tables stay
+    where they are as long as the signature does."""
 
+    signature: tuple  # DeMo._signature of the captured step
     params: list[torch.nn.Parameter]  # those with a gradient at the capture, in order
     grads: list[torch.Tensor]  # the gradient tensors the graphs read
-    groups: list[int]  # id() of each parameter group at the capture
-    momenta: list[int]  # each parameter's momentum's address at the capture
     lrs: dict[int, torch.Tensor]  # id(group) -> its lr, 0-d float64 on the device
     encoded: list[_Encoded]  # per bucket: the flat payloads the encoding graph writes
     gathered: list[dict[torch.dtype, torch.Tensor]]  # per bucket: its all-gathers' outputs
-    encode: list[torch.cuda.CUDAGraph]
-    decode: list[torch.cuda.CUDAGraph]
+    encode: list[Any]  # per bucket: a torch.cuda.CUDAGraph (or what the runtime makes)
+    decode: list[Any]
 
-    def fits(self, params: list[torch.nn.Parameter], groups: list[dict[str, Any]], momenta: list[int]) -> bool:
-        """Can a replay serve a step of these parameters, groups and momentum addresses?"""
-        return (len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params, strict=True))
-                and [id(group) for group in groups] == self.groups and momenta == self.momenta)
+
+class CudaGraphRuntime:
+    """What DeMo's captured step needs of CUDA, in one place: a side stream for the warm-up
+    steps and the captures, one memory pool per capture that its graphs share, and the graphs
+    (each replayed by ``graph.replay()``). ``DeMo.graph_runtime`` names the class: the tests put
+    one that records and re-runs Python in its place, to check the captured step's bookkeeping
+    where there is no GPU (CI)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = None
+
+    @staticmethod
+    def serves(params: Sequence[torch.Tensor]) -> bool:
+        return all(param.is_cuda for param in params)
+
+    def warm_up(self, step) -> None:
+        """``step()`` run eagerly on the side stream, ordered after and before the current stream's work."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            step()
+        current.wait_stream(self.stream)
+
+    def new_pool(self) -> None:
+        """The memory pool the next captures share (a capture replaced starts its own)."""
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, function, *args) -> tuple[Any, Any]:
+        """``function(*args)`` recorded, not run: the graph and what the call returned."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            result = function(*args)
+        return graph, result
 
 
 @dataclass
@@ -238,12 +274,13 @@ def _same_lr(a: float | torch.Tensor, b: float | torch.Tensor) -> bool:
     return a == b
 
 
-def _add_scaled_(param: torch.Tensor, update: torch.Tensor, lr: float | torch.Tensor) -> None:
-    """``param -= lr * update``, ``lr`` a number or a 0-d tensor on the parameter's device."""
-    if isinstance(lr, torch.Tensor):
-        param.addcmul_(update, lr, value=-1)
+def _add_scaled_(target: torch.Tensor, tensor: torch.Tensor, scale: float | torch.Tensor, sign: int = 1) -> None:
+    """``target += sign * scale * tensor``, ``scale`` a number or a 0-d tensor on the target's
+    device (a captured step's lr: ``alpha=`` would read it back to the host)."""
+    if isinstance(scale, torch.Tensor):
+        target.addcmul_(tensor, scale, value=sign)
     else:
-        param.add_(update, alpha=-lr)
+        target.add_(tensor, alpha=sign * scale)
 
 
 def _runs(sent: list[_Sent]) -> list[_Run]:
@@ -324,7 +361,8 @@ class DeMoArgs(Args):
         errors += one_of_error("base", self.base, BASES)
         errors += one_of_error("wire", self.wire, WIRES)
         if self.bucket_numel is not None and self.bucket_numel < 1:
-            errors.append(f"bucket_numel={self.bucket_numel} must be None (the largest parameter's size) or >= 1")
+            errors.append(f"bucket_numel={self.bucket_numel} must be None (the default size: the largest "
+                          "parameter's on the CPU, 200M elements on a GPU) or >= 1")
         if self.cuda_graph and self.projection == "random":
             errors.append("cuda_graph needs a fixed basis: projection=random draws a new one every step")
         if self.cuda_graph and self.config_name != "demo":
@@ -349,6 +387,7 @@ class DeMo(torch.optim.Optimizer):
     # whether the step can be captured (``cuda_graph``): not where a subclass changes what a step
     # reads (FlexDeMo re-points its shards) or when it applies the aggregate (DisTrO)
     graphable: ClassVar[bool] = True
+    graph_runtime: ClassVar[type] = CudaGraphRuntime
 
     def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
         args.check()
@@ -369,17 +408,19 @@ class DeMo(torch.optim.Optimizer):
         # A fixed basis lets the momentum live in the coefficient domain (see the module doc);
         # the parameter-domain path stays for the random basis (and for tests to compare).
         self._momentum_in_coefficients = args.projection != "random"
-        # Three flat buffers per (device, dtype), as large as the largest parameter, reused by
-        # every parameter and step: fresh multi-MB temporaries cost a page fault per page on CPU.
+        # Three flat buffers per (device, dtype), as large as the largest parameter or bucket,
+        # reused by every parameter and step: fresh multi-MB temporaries cost a page fault per
+        # page on CPU.
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._random_bases: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._stacked: dict[tuple[int, ...], torch.Tensor] = {}  # each stack's momenta (see _Stack)
         self.cuda_graph = args.cuda_graph
         self._graphs: _Graphs | None = None  # the captured step, once there is one
-        self._warm_steps = 0  # eager steps since the last capture was dropped (or none was made)
+        self._warm_steps = 0  # eager warm-up steps in a row with one signature (see _graphed_step)
+        self._warm_signature: tuple | None = None  # the signature the last warm-up step left
         # each group's lr as a 0-d tensor (keyed by id(group)) while a step is captured
         self._lrs: dict[int, torch.Tensor] | None = None
-        self._stream: torch.cuda.Stream | None = None  # where the warm-up steps and the capture run
+        self._runtime: CudaGraphRuntime | None = None  # made at the first captured step
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -387,7 +428,7 @@ class DeMo(torch.optim.Optimizer):
         loss = closure_loss(closure)
         self._random_bases.clear()
         buckets = self._buckets()
-        if self.cuda_graph and buckets and all(param.is_cuda for bucket in buckets for param, _ in bucket):
+        if self.cuda_graph and buckets and self.graph_runtime.serves([param for bucket in buckets for param, _ in bucket]):
             self._graphed_step(buckets)
         else:
             self._eager_step(buckets)
@@ -407,61 +448,70 @@ class DeMo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ CUDA graphs
     def _graphed_step(self, buckets: list[list[tuple[torch.nn.Parameter, dict[str, Any]]]]) -> None:
-        """The step as CUDA graphs (:class:`_Graphs`): ``_GRAPH_WARMUP`` eager steps on the
-        capture stream first (they build the momenta, work space and tables the graphs then
-        read), then one capture, replayed from then on until the parameters with a gradient,
-        the parameter groups or a momentum buffer change (a checkpoint loaded, say)."""
+        """The step as CUDA graphs (:class:`_Graphs`): ``_GRAPH_WARMUP`` eager steps in a row
+        with one signature (:meth:`_signature`) on the capture stream first (they build the
+        momenta, work space and tables the graphs then read, and leave them where the capture
+        finds them), then one capture, replayed while the signature holds."""
         params = [param for bucket in buckets for param, _ in bucket]
-        if self._graphs is not None and not self._graphs.fits(params, self.param_groups, self._momenta(params)):
+        if any(param.dtype not in (torch.float32, torch.float64) for param in params):
+            raise ValueError("cuda_graph needs float32 or float64 parameters: a captured step's learning rate is "
+                             "a tensor, which a bf16 parameter's arithmetic would round to bf16")
+        signature = self._signature(params)
+        if self._graphs is not None and self._graphs.signature != signature:
             self._graphs = None
-            self._warm_steps = 0
         if self._graphs is None:
-            stream = self._capture_stream(params[0].device)
+            if self._runtime is None or self._runtime.device != params[0].device:
+                self._runtime = self.graph_runtime(params[0].device)
+            if signature != self._warm_signature:
+                self._warm_steps = 0
             if self._warm_steps < _GRAPH_WARMUP:
+                self._runtime.warm_up(lambda: self._eager_step(buckets))
                 self._warm_steps += 1
-                stream.wait_stream(torch.cuda.current_stream(params[0].device))
-                with torch.cuda.stream(stream):
-                    self._eager_step(buckets)
-                torch.cuda.current_stream(params[0].device).wait_stream(stream)
+                self._warm_signature = self._signature(params)
                 return
-            self._graphs = self._capture(buckets, params, stream)
+            self._graphs = self._capture(buckets, params, signature, self._runtime)
         self._replay(self._graphs)
 
-    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
-
-    def _momenta(self, params: list[torch.nn.Parameter]) -> list[int]:
-        """Where each parameter's momentum lies (what a captured step reads and writes)."""
+    def _signature(self, params: list[torch.nn.Parameter]) -> tuple:
+        """What a captured step takes as fixed: the parameters that step, in order, and where
+        they and their momenta lie; the parameter groups and the settings a graph holds as
+        constants (all but the lr, which each replay brings)."""
         key = self._momentum_key
-        return [self.state[param][key].data_ptr() if key in self.state[param] else 0 for param in params]
+        return (tuple((id(param), param.data_ptr(),
+                       self.state[param][key].data_ptr() if key in self.state[param] else 0) for param in params),
+                tuple((id(group), group["weight_decay"], group["compression_decay"], group["momentum_subtraction"])
+                      for group in self.param_groups))
 
-    def _capture(self, buckets, params: list[torch.nn.Parameter], stream: torch.cuda.Stream) -> _Graphs:
+    def _capture(self, buckets, params: list[torch.nn.Parameter], signature: tuple,
+                 runtime: CudaGraphRuntime) -> _Graphs:
         """Record each bucket's encoding and decoding as graphs, in the order the eager step
         runs them (so that the graphs, which share one memory pool, reuse each other's
-        temporaries only as that order allows). Nothing runs: the replay that follows is the step."""
+        temporaries only as that order allows). Nothing runs: the replay that follows is the
+        step. A bucket's all-gathers write into one of two sets of buffers, by the bucket's
+        parity: bucket i + 2's all-gather starts after bucket i is decoded."""
         device, world = params[0].device, self.comm.world_size
         lrs = {id(group): torch.zeros((), dtype=torch.float64, device=device) for group in self.param_groups}
-        pool = torch.cuda.graph_pool_handle()
+        runtime.new_pool()
         encode, decode, encoded, gathered = [], [], [], []
+        spare: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
 
-        def capture(function, *args):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                result = function(*args)
-            return graph, result
+        def gather_buffer(parity: int, flat: torch.Tensor) -> torch.Tensor:
+            """The parity's buffer for ``flat``'s dtype (a larger one where it is too small)."""
+            buffer = spare[parity].get(flat.dtype)
+            if buffer is None or buffer.numel() < world * flat.numel():
+                buffer = spare[parity][flat.dtype] = flat.new_empty(world * flat.numel())
+            return buffer[: world * flat.numel()]
 
+        capture = runtime.capture
         self._lrs = lrs
         try:
             pending: _InFlight | None = None
-            for bucket in buckets:
+            for index, bucket in enumerate(buckets):
                 graph, bucket_encoded = capture(self._encode_bucket, bucket)
                 encode.append(graph)
                 encoded.append(bucket_encoded)
                 # the all-gathers' outputs: outside the pool, written between the graphs
-                gathered.append({dtype: flat.new_empty(world * flat.numel())
-                                 for dtype, flat in bucket_encoded.flats.items()})
+                gathered.append({dtype: gather_buffer(index % 2, flat) for dtype, flat in bucket_encoded.flats.items()})
                 flight = self._gather(bucket_encoded, into=gathered[-1], metered=False)
                 if pending is not None:
                     decode.append(capture(self._decode_bucket, pending)[0])
@@ -469,9 +519,11 @@ class DeMo(torch.optim.Optimizer):
             decode.append(capture(self._decode_bucket, pending)[0])
         finally:
             self._lrs = None
-        return _Graphs(params=params, grads=[param.grad for param in params],
-                       groups=[id(group) for group in self.param_groups], momenta=self._momenta(params),
-                       lrs=lrs, encoded=encoded, gathered=gathered, encode=encode, decode=decode)
+        if self._signature(params) != signature:
+            raise RuntimeError("DeMo's capture moved a parameter or momentum it reads; the warm-up steps should "
+                               "have left them in place (a bug in lowcomm)")
+        return _Graphs(signature=signature, params=params, grads=[param.grad for param in params], lrs=lrs,
+                       encoded=encoded, gathered=gathered, encode=encode, decode=decode)
 
     def _replay(self, graphs: _Graphs) -> None:
         """One step: this step's learning rates and gradients into the tensors the graphs read,
@@ -484,7 +536,7 @@ class DeMo(torch.optim.Optimizer):
             torch._foreach_copy_([kept for kept, _ in moved], [grad for _, grad in moved])
         for param in graphs.params:
             self.state[param]["step"] += 1
-        pending: tuple[_InFlight, torch.cuda.CUDAGraph] | None = None
+        pending: tuple[_InFlight, Any] | None = None
         for encode, decode, encoded, gathered in zip(graphs.encode, graphs.decode, graphs.encoded, graphs.gathered,
                                                      strict=True):
             encode.replay()
@@ -610,7 +662,7 @@ class DeMo(torch.optim.Optimizer):
                 coefficients = momentum
             else:
                 for part, grad in zip(stack.rows(momentum), grads, strict=True):
-                    part.mul_(decay).add_(grad.reshape(part.shape), alpha=lr)
+                    _add_scaled_(part.mul_(decay), grad.reshape(part.shape), lr)
                 self._momenta_ready(stack, momentum, bases)  # before ``work`` holds the coefficients
                 coefficients = self._transform(momentum, layout, bases, out=work, scratch=scratch)
 
@@ -710,7 +762,7 @@ class DeMo(torch.optim.Optimizer):
                     part = update[item.offset - first : item.offset - first + item.layout.numel]
                     if self.base == "muon":
                         part = newton_schulz(part.view(item.layout.rows, item.layout.cols))
-                    _add_scaled_(item.param, part.view(item.param.shape), item.lr)
+                    _add_scaled_(item.param, part.view(item.param.shape), item.lr, sign=-1)
 
     def _gathered_runs(
         self, flight: _InFlight, runs: list[_Run]
