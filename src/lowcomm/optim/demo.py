@@ -266,6 +266,22 @@ class _Run:
         return range(self.first, self.first + len(self.items))
 
 
+def _pipelined(buckets: Sequence[Any], send, apply) -> None:
+    """The order of a DeMo step, one place for the eager step, its capture and its replay (the
+    captured graphs share one memory pool, which is safe only if they replay in the order they
+    were captured): ``send`` each bucket, and ``apply`` what the previous one sent after the next
+    one is sent. One bucket in flight: its all-gather overlaps the next bucket's encoding, and
+    at most two buckets' gathered payloads are held at once."""
+    pending = None
+    for bucket in buckets:
+        sent = send(bucket)
+        if pending is not None:
+            apply(pending)
+        pending = sent
+    if pending is not None:
+        apply(pending)
+
+
 def _same_lr(a: float | torch.Tensor, b: float | torch.Tensor) -> bool:
     """Equal learning rates: equal numbers, or one group's tensor (comparing two tensors'
     values would wait for the device)."""
@@ -435,16 +451,7 @@ class DeMo(torch.optim.Optimizer):
         return loss
 
     def _eager_step(self, buckets: list[list[tuple[torch.nn.Parameter, dict[str, Any]]]]) -> None:
-        # One bucket in flight: its all-gather overlaps the next bucket's encoding, and at most
-        # two buckets' gathered payloads are held at once.
-        in_flight: _InFlight | None = None
-        for bucket in buckets:
-            sent = self._send_bucket(bucket)
-            if in_flight is not None:
-                self._apply_bucket(in_flight)
-            in_flight = sent
-        if in_flight is not None:
-            self._apply_bucket(in_flight)
+        _pipelined(buckets, self._send_bucket, self._apply_bucket)
 
     # ------------------------------------------------------------ CUDA graphs
     def _graphed_step(self, buckets: list[list[tuple[torch.nn.Parameter, dict[str, Any]]]]) -> None:
@@ -502,21 +509,17 @@ class DeMo(torch.optim.Optimizer):
                 buffer = spare[parity][flat.dtype] = flat.new_empty(world * flat.numel())
             return buffer[: world * flat.numel()]
 
-        capture = runtime.capture
+        def send(bucket) -> _InFlight:
+            graph, bucket_encoded = runtime.capture(self._encode_bucket, bucket)
+            encode.append(graph)
+            encoded.append(bucket_encoded)
+            # the all-gathers' outputs: outside the pool, written between the graphs
+            gathered.append({dtype: gather_buffer(len(encoded) % 2, flat) for dtype, flat in bucket_encoded.flats.items()})
+            return self._gather(bucket_encoded, into=gathered[-1], metered=False)
+
         self._lrs = lrs
         try:
-            pending: _InFlight | None = None
-            for index, bucket in enumerate(buckets):
-                graph, bucket_encoded = capture(self._encode_bucket, bucket)
-                encode.append(graph)
-                encoded.append(bucket_encoded)
-                # the all-gathers' outputs: outside the pool, written between the graphs
-                gathered.append({dtype: gather_buffer(index % 2, flat) for dtype, flat in bucket_encoded.flats.items()})
-                flight = self._gather(bucket_encoded, into=gathered[-1], metered=False)
-                if pending is not None:
-                    decode.append(capture(self._decode_bucket, pending)[0])
-                pending = flight
-            decode.append(capture(self._decode_bucket, pending)[0])
+            _pipelined(buckets, send, lambda flight: decode.append(runtime.capture(self._decode_bucket, flight)[0]))
         finally:
             self._lrs = None
         if self._signature(params) != signature:
@@ -536,18 +539,16 @@ class DeMo(torch.optim.Optimizer):
             torch._foreach_copy_([kept for kept, _ in moved], [grad for _, grad in moved])
         for param in graphs.params:
             self.state[param]["step"] += 1
-        pending: tuple[_InFlight, Any] | None = None
-        for encode, decode, encoded, gathered in zip(graphs.encode, graphs.decode, graphs.encoded, graphs.gathered,
-                                                     strict=True):
+        def send(bucket: tuple) -> tuple[_InFlight, Any]:
+            encode, decode, encoded, gathered = bucket
             encode.replay()
-            flight = self._gather(encoded, into=gathered)
-            if pending is not None:
-                self._wait(pending[0])
-                pending[1].replay()
-            pending = (flight, decode)
-        if pending is not None:
-            self._wait(pending[0])
-            pending[1].replay()
+            return self._gather(encoded, into=gathered), decode
+
+        def apply(sent: tuple[_InFlight, Any]) -> None:
+            self._wait(sent[0])
+            sent[1].replay()
+
+        _pipelined(list(zip(graphs.encode, graphs.decode, graphs.encoded, graphs.gathered, strict=True)), send, apply)
 
     def _buckets(self) -> list[list[tuple[torch.nn.Parameter, dict[str, Any]]]]:
         """The parameters with a gradient, in order, cut into buckets of one (device, dtype)
