@@ -68,6 +68,17 @@ def test_demo_steps_on_cuda_as_on_the_cpu():
         assert (cpu - cuda).abs().max() <= 3 * 2 * lr + 1e-6  # at most one flipped sign per step
 
 
+def _scheduled_step(optimizer, params: list[torch.nn.Parameter], step: int) -> bool:
+    """One step of the schedule: lr 4e-4 x (step + 1), the step's gradients as new tensors;
+    whether the optimizer then holds a capture."""
+    for group in optimizer.param_groups:
+        group["lr"] = 4e-4 * (1 + step)
+    for param, grad in zip(params, _gradients(step), strict=True):
+        param.grad = grad.cuda()
+    optimizer.step()
+    return optimizer._graphs is not None
+
+
 def _graphed_demo_worker(rank: int, world: int, bucket_numel: int) -> dict:  # noqa: ARG001
     """DeMo eager and captured as CUDA graphs (NCCL, W=1) over one schedule: an lr that changes
     every step, weight decay in one of two groups, new gradient tensors every step (as
@@ -86,12 +97,7 @@ def _graphed_demo_worker(rank: int, world: int, bucket_numel: int) -> dict:  # n
                                                    cuda_graph=cuda_graph), comm)
         captured, saved = [], None
         for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = 4e-4 * (1 + step)
-            for param, grad in zip(params, _gradients(step), strict=True):
-                param.grad = grad.cuda()
-            optimizer.step()
-            captured.append(optimizer._graphs is not None)
+            captured.append(_scheduled_step(optimizer, params, step))
             if step == 3:
                 buffer = io.BytesIO()
                 torch.save({"optimizer": optimizer.state_dict(), "params": [p.detach().cpu() for p in params]}, buffer)
@@ -103,14 +109,7 @@ def _graphed_demo_worker(rank: int, world: int, bucket_numel: int) -> dict:  # n
         optimizer.load_state_dict(checkpoint["optimizer"])
         for param, kept in zip(params, checkpoint["params"], strict=True):
             param.data.copy_(kept)
-        resumed = []
-        for step in range(4, steps):
-            for group in optimizer.param_groups:
-                group["lr"] = 4e-4 * (1 + step)
-            for param, grad in zip(params, _gradients(step), strict=True):
-                param.grad = grad.cuda()
-            optimizer.step()
-            resumed.append(optimizer._graphs is not None)
+        resumed = [_scheduled_step(optimizer, params, step) for step in range(4, steps)]
         result.update(resumed_params=[param.detach().cpu() for param in params], resumed_captured=resumed)
         results[cuda_graph] = result
     return results
