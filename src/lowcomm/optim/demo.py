@@ -539,6 +539,7 @@ class DeMo(torch.optim.Optimizer):
             torch._foreach_copy_([kept for kept, _ in moved], [grad for _, grad in moved])
         for param in graphs.params:
             self.state[param]["step"] += 1
+
         def send(bucket: tuple) -> tuple[_InFlight, Any]:
             encode, decode, encoded, gathered = bucket
             encode.replay()
