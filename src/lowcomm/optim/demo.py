@@ -444,8 +444,9 @@ class DeMo(torch.optim.Optimizer):
         loss = closure_loss(closure)
         self._random_bases.clear()
         buckets = self._buckets()
-        if self.cuda_graph and buckets and self.graph_runtime.serves([param for bucket in buckets for param, _ in bucket]):
-            self._graphed_step(buckets)
+        params = [param for bucket in buckets for param, _ in bucket] if self.cuda_graph else []
+        if params and self.graph_runtime.serves(params):
+            self._graphed_step(buckets, params)
         else:
             self._eager_step(buckets)
         return loss
@@ -454,19 +455,19 @@ class DeMo(torch.optim.Optimizer):
         _pipelined(buckets, self._send_bucket, self._apply_bucket)
 
     # ------------------------------------------------------------ CUDA graphs
-    def _graphed_step(self, buckets: list[list[tuple[torch.nn.Parameter, dict[str, Any]]]]) -> None:
+    def _graphed_step(self, buckets: list[list[tuple[torch.nn.Parameter, dict[str, Any]]]],
+                      params: list[torch.nn.Parameter]) -> None:
         """The step as CUDA graphs (:class:`_Graphs`): ``_GRAPH_WARMUP`` eager steps in a row
         with one signature (:meth:`_signature`) on the capture stream first (they build the
         momenta, work space and tables the graphs then read, and leave them where the capture
         finds them), then one capture, replayed while the signature holds."""
-        params = [param for bucket in buckets for param, _ in bucket]
-        if any(param.dtype not in (torch.float32, torch.float64) for param in params):
-            raise ValueError("cuda_graph needs float32 or float64 parameters: a captured step's learning rate is "
-                             "a tensor, which a bf16 parameter's arithmetic would round to bf16")
         signature = self._signature(params)
         if self._graphs is not None and self._graphs.signature != signature:
             self._graphs = None
         if self._graphs is None:
+            if any(param.dtype not in (torch.float32, torch.float64) for param in params):
+                raise ValueError("cuda_graph needs float32 or float64 parameters: a captured step's learning rate "
+                                 "is a tensor, which a bf16 parameter's arithmetic would round to bf16")
             if self._runtime is None or self._runtime.device != params[0].device:
                 self._runtime = self.graph_runtime(params[0].device)
             if signature != self._warm_signature:
@@ -515,7 +516,7 @@ class DeMo(torch.optim.Optimizer):
             encoded.append(bucket_encoded)
             # the all-gathers' outputs: outside the pool, written between the graphs
             gathered.append({dtype: gather_buffer(len(encoded) % 2, flat) for dtype, flat in bucket_encoded.flats.items()})
-            return self._gather(bucket_encoded, into=gathered[-1], metered=False)
+            return self._flight(bucket_encoded, gathered[-1], [])  # (the replay gathers)
 
         self._lrs = lrs
         try:
@@ -599,19 +600,21 @@ class DeMo(torch.optim.Optimizer):
         flats = {dtype: torch.cat(parts) if len(parts) > 1 else parts[0] for dtype, parts in pieces.items()}
         return _Encoded(sent, offset, flats, segments)
 
-    def _gather(self, encoded: _Encoded, *, into: dict[torch.dtype, torch.Tensor] | None = None,
-                metered: bool = True) -> _InFlight:
+    def _gather(self, encoded: _Encoded, *, into: dict[torch.dtype, torch.Tensor] | None = None) -> _InFlight:
         """Start the bucket's all-gathers, one per wire dtype, into one W x n buffer each (no
-        per-worker copies): new ones, or ``into`` (a captured step's). ``metered=False`` sends
-        nothing and only lays out the buffers (while a step is captured)."""
-        gathered, works = {}, []
+        per-worker copies): new ones, or ``into`` (a captured step's)."""
         world = self.comm.world_size
+        buffers = into if into is not None else {  # gloo wants them flat
+            dtype: flat.new_empty(world * flat.numel()) for dtype, flat in encoded.flats.items()}
         with record_function("DeMo.communicate"):
-            for dtype, flat in encoded.flats.items():
-                buffer = into[dtype] if into is not None else flat.new_empty(world * flat.numel())  # gloo wants it flat
-                if metered:
-                    works.append(self.comm.all_gather_into_tensor(buffer, flat, async_op=True))
-                gathered[dtype] = (buffer.view(world, -1), encoded.segments[dtype])
+            works = [self.comm.all_gather_into_tensor(buffers[dtype], flat, async_op=True)
+                     for dtype, flat in encoded.flats.items()]
+        return self._flight(encoded, buffers, works)
+
+    def _flight(self, encoded: _Encoded, buffers: dict[torch.dtype, torch.Tensor], works: list[Any]) -> _InFlight:
+        """The bucket with its all-gathers' output buffers (each seen as W x n) and their works."""
+        world = self.comm.world_size
+        gathered = {dtype: (buffer.view(world, -1), encoded.segments[dtype]) for dtype, buffer in buffers.items()}
         return _InFlight(encoded.sent, encoded.numel, gathered, works)
 
     def _stacks(self, bucket: list[tuple[torch.nn.Parameter, dict[str, Any]]]) -> list[_Stack]:
