@@ -16,7 +16,7 @@ from dct_reference import F64, dense_dct
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout, block_transform, dct_bases, dct_transform
-from lowcomm.compress.dct_topk import DCTTopK
+from lowcomm.compress.dct_topk import WIRES, DCTTopK
 
 # (shape, chunk): the block geometry each exercises
 GEOMETRIES = [
@@ -272,22 +272,38 @@ def test_the_kernel_checks_its_arguments():
         kernel([torch.zeros(64, 64)], [torch.zeros(64, 64)], 64, 64, 48, False, 0.0, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("subtract", [0.0, 1.0, 0.37])
 @pytest.mark.parametrize(("shape", "chunk", "k"), [((320, 1024), 64, 32), ((96, 40), 64, 8), ((128, 96), 16, 3)])
-def test_transform_and_select_in_one_pass_is_the_transform_then_the_selection(shape, chunk, k):
-    """DeMo's encode on the CPU kernels: the momentum accumulated by the transform and the top-k
-    of each tile taken while it is in cache are bit for bit dct_transform then block_topk."""
+def test_transform_and_select_in_one_pass_is_the_transform_then_the_selection(shape, chunk, k, subtract, dtype):
+    """DeMo's encode on the CPU kernels: the momentum accumulated by the transform, the top-k
+    of each tile taken while it is in cache and the selected values subtracted there are bit for
+    bit dct_transform, block_topk, then index_add_ of the values times -subtract."""
     codec = DCTTopK(chunk=chunk, topk=k, wire="paper")
     layout = codec.layout(shape)
     generator = torch.Generator().manual_seed(9)
-    parts = list(torch.randn(shape, generator=generator).split(layout.chunk_rows * 2))
+    parts = list(torch.randn(shape, generator=generator, dtype=dtype).split(layout.chunk_rows * 2))
     parts = [part.contiguous() for part in parts]
-    momentum = torch.randn(layout.rows, layout.cols, generator=generator)
+    momentum = torch.randn(layout.rows, layout.cols, generator=generator, dtype=dtype)
     expected_momentum = dct_transform(parts, layout, out=momentum.clone(), beta=0.9, alpha=0.01)
     expected = codec.select(expected_momentum, layout)
-    selected = codec.transform_select(parts, layout, momentum, beta=0.9, alpha=0.01)
+    if subtract:
+        _, positions, values = expected
+        expected_momentum.view(-1).index_add_(0, positions.view(-1), values.view(-1), alpha=-subtract)
+    selected = codec.transform_select(parts, layout, momentum, beta=0.9, alpha=0.01, subtract=subtract)
     assert torch.equal(momentum, expected_momentum)
     for got, want in zip(selected, expected, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_wire_removes_the_selected_values_where_what_it_subtracts_is_them(wire):
+    """removes_selected_values (which lets DeMo's encode subtract in its kernel's pass) against
+    what DeMo subtracts: what receivers decode where they decode magnitudes, else the values."""
+    codec = DCTTopK(chunk=8, topk=4, wire=wire)
+    values = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    subtracted = codec.received(values) if codec.decodes_magnitudes else values
+    assert codec.removes_selected_values == torch.equal(subtracted, values)
 
 
 def test_transform_and_select_gives_way_where_its_kernel_cannot_run(monkeypatch):

@@ -25,6 +25,7 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.dct import random_orthonormal_basis
+from lowcomm.compress.dct_topk import WIRES, DCTTopK
 from lowcomm.config import ConfigError, validate, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
@@ -336,6 +337,44 @@ def test_coefficient_domain_momentum_equals_parameter_domain_path(projection, ba
             assert_close_relative(as_matrix(fused.state[p_fused]["momentum_dct"]), momentum, 1e-12)
         else:
             assert_close_relative(fused.state[p_fused]["momentum"], momentum, 1e-12)
+
+
+@IGNORE_CHUNK_1
+@pytest.mark.parametrize("subtraction", [1.0, 0.6])
+@pytest.mark.parametrize("wire", WIRES)
+def test_subtracting_what_is_sent_in_the_encodes_pass_is_the_separate_subtraction_bit_for_bit(
+        monkeypatch, wire, subtraction):
+    """On the CPU kernels DeMo's encode subtracts what it sends in the pass that selects it,
+    where what it sends is the selected values themselves (paper and signbit wires): the
+    parameters and momenta are bit for bit those of the subtraction as a separate index_add_."""
+    if not cpu_kernels.available():
+        pytest.skip("lowcomm's CPU kernels are not built here")
+    subtracted_in_pass = []
+    select = DCTTopK.transform_select
+
+    def spy(self, *args, subtract=0.0, **kwargs):
+        subtracted_in_pass.append(subtract)
+        return select(self, *args, subtract=subtract, **kwargs)
+
+    monkeypatch.setattr(DCTTopK, "transform_select", spy)
+    runs = []
+    for in_pass in (True, False):
+        params = initial_params(torch.float32)
+        optimizer = make_demo(params, {"wire": wire, "momentum_subtraction": subtraction})
+        if not in_pass:
+            monkeypatch.setattr(optimizer, "_subtracts_while_selecting", lambda: False)
+        history = run_steps(optimizer, params, 0, range(6))
+        runs.append((history, [optimizer.state[param]["momentum_dct"].clone() for param in params]))
+    values_sent = wire in ("paper", "signbit")
+    half = len(subtracted_in_pass) // 2
+    assert subtracted_in_pass[half:] == [0.0] * half  # the separate subtraction's run
+    assert subtracted_in_pass[:half] == [subtraction if values_sent else 0.0] * half
+    (history, momenta), (expected_history, expected_momenta) = runs
+    for step, (got, want) in enumerate(zip(history, expected_history, strict=True)):
+        for index, (param, expected) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(param, expected), f"step {step}, parameter {index}"
+    for momentum, expected in zip(momenta, expected_momenta, strict=True):
+        assert torch.equal(momentum, expected)
 
 
 def _roundtrip(optimizer: DeMo) -> dict:

@@ -175,6 +175,13 @@ class DCTTopK:
         subtracts its own unquantized result)."""
         return self.wire != "signbit"
 
+    @property
+    def removes_selected_values(self) -> bool:
+        """Is what a sender removes from its momentum the selected values themselves? The paper
+        wire sends them as they are; ``signbit`` removes them (above). The other wires round
+        them first (:meth:`received`)."""
+        return self.wire == "paper" or not self.decodes_magnitudes
+
     def kept_per_block(self, layout: BlockLayout) -> int:
         """k, clamped to [1, coefficients per block]."""
         return min(self.topk, layout.block_numel)
@@ -206,21 +213,27 @@ class DCTTopK:
         return block_topk(coefficients, layout, self.kept_per_block(layout), scratch=scratch)
 
     def transform_select(
-        self, parts: list[torch.Tensor], layout: BlockLayout, momentum: torch.Tensor, *, beta: float, alpha: float
+        self, parts: list[torch.Tensor], layout: BlockLayout, momentum: torch.Tensor, *, beta: float, alpha: float,
+        subtract: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``momentum = beta * momentum + alpha * P(parts)`` (P the block DCT-II,
         :func:`~lowcomm.compress.dct.dct_transform`; ``parts`` the row blocks of the ``rows x
         cols`` matrix, top to bottom) and :meth:`select` of the new momentum, as one CPU kernel
         that selects each tile of blocks while it is in cache from its transform, so the
-        selection reads no memory the transform did not just write. Same results as the two
-        calls. None, with nothing done, where that kernel cannot run (another device or dtype, a
+        selection reads no memory the transform did not just write. Unless ``subtract`` is 0,
+        ``subtract`` times the selected values then leave the momentum at their positions, in
+        the same pass (DeMo's subtraction of what it sends, where what it sends is the values
+        themselves). Same results as the calls it replaces (the last
+        ``momentum.view(-1).index_add_(0, positions, values, alpha=-subtract)``), bit for bit.
+        None, with nothing done, where that kernel cannot run (another device or dtype, a
         tensor that is not contiguous, the kernels or their selection turned off)."""
         kernels = dct_kernels([*parts, momentum])
         if kernels is None or selection_kernels(momentum) is None:
             return None
         k = self.kept_per_block(layout)
         selected = kernels.dct_blocks_topk(parts, momentum.view(layout.rows, layout.cols), layout.chunk_rows,
-                                           layout.chunk_cols, beta, alpha, k, kernel_group_rows(layout, k))
+                                           layout.chunk_cols, beta, alpha, k, kernel_group_rows(layout, k),
+                                           subtract)
         mark_written(momentum)
         return selected
 

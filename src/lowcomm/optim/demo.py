@@ -649,7 +649,7 @@ class DeMo(torch.optim.Optimizer):
                 torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
             grads = [param.grad for param in params]
             decay = group["compression_decay"]
-            selected = None
+            selected, subtracted = None, False
             if self._momentum_in_coefficients and isinstance(lr, torch.Tensor):
                 # a captured step's lr is a tensor: the transform's own scaling takes numbers
                 transformed = self._transform(grads, layout, bases, out=work, scratch=scratch)
@@ -658,9 +658,13 @@ class DeMo(torch.optim.Optimizer):
                 coefficients = momentum
             elif self._momentum_in_coefficients:
                 # momentum <- decay * momentum + lr * P(grad), accumulated by the transform itself;
-                # on the CPU kernels with the top-k of each tile taken while it is in cache
+                # on the CPU kernels with the top-k of each tile taken while it is in cache, and
+                # what is sent subtracted there too where nothing reads the momentum before that
                 if self.projection == "dct":
-                    selected = self.codec.transform_select(grads, layout, momentum, beta=decay, alpha=lr)
+                    subtract = alpha if self._subtracts_while_selecting() else 0.0
+                    selected = self.codec.transform_select(grads, layout, momentum, beta=decay, alpha=lr,
+                                                           subtract=subtract)
+                    subtracted = selected is not None and subtract != 0.0
                 if selected is None:
                     self._transform(grads, layout, bases, out=momentum, scratch=scratch, beta=decay, alpha=lr)
                 self._momenta_ready(stack, momentum, bases)
@@ -675,7 +679,7 @@ class DeMo(torch.optim.Optimizer):
             index, positions, values = selected or self.codec.select(coefficients, layout, scratch=scratch)
             payloads = [self.codec.pack(index[first:last], values[first:last], part)
                         for part, (first, last) in zip(stack.layouts, stack.block_spans(), strict=True)]
-            if alpha:
+            if alpha and not subtracted:
                 # what the receivers will decode; the values themselves where they decode signs only
                 sent = self.codec.received(values) if self.codec.decodes_magnitudes else values
                 if self._momentum_in_coefficients:  # a sparse update of the coefficients
@@ -717,6 +721,13 @@ class DeMo(torch.optim.Optimizer):
                 del self._stacked[stale]
             self._stacked[stack.key] = buffer
         return buffer.view(stack.layout.rows, stack.layout.cols)
+
+    def _subtracts_while_selecting(self) -> bool:
+        """May the encode's kernel subtract what is sent from the momentum itself, in the pass
+        that selects it? Where what is sent is the selected values (:attr:`DCTTopK.removes_selected_values`)
+        and no subclass reads the momentum before the subtraction (:meth:`_momenta_ready`,
+        DisTrO's lookahead)."""
+        return self.codec.removes_selected_values and type(self)._momenta_ready is DeMo._momenta_ready
 
     def _momenta_ready(self, stack: _Stack, momentum: torch.Tensor, bases: _Bases) -> None:
         """Called with the stack's new momentum (its ``rows x cols``, in the coefficient domain
