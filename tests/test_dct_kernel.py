@@ -148,6 +148,30 @@ def test_decoding_into_the_targets_is_the_aggregate_then_the_inverse_then_the_st
     torch.testing.assert_close(torch.cat(params), before - 0.01 * update, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("sign", [False, True])
+@pytest.mark.parametrize(("shape", "chunk", "k"), [((320, 1024), 64, 32), ((128, 96), 16, 3), ((96, 40), 64, 4)])
+def test_one_senders_payload_decodes_from_its_lists_as_from_the_gathered_tile(shape, chunk, k, sign, dtype):
+    """With one sender, blocks whose indices ascend (as both top-k paths return them) are
+    inverted from the payload's lists, with no tile gathered and scanned; a payload whose
+    indices do not ascend goes the gathered way. The two agree bit for bit, zeros of either
+    sign and a NaN included."""
+    codec = DCTTopK(chunk=chunk, topk=k, wire="paper")
+    layout = codec.layout(shape)
+    ascending = _gathered(1, layout, k, seed=21, dtype=dtype)
+    values = ascending.tensors["values"]
+    values[0, 0, 0], values[0, -1, -1], values[0, -1, 1] = 0.0, -0.0, float("nan")
+    order = torch.arange(k - 1, -1, -1).expand(1, layout.num_blocks, k)  # every block's entries descending
+    shuffled = Payload({"index": ascending.tensors["index"].gather(2, order), "values": values.gather(2, order)},
+                       ascending.meta)
+    start = torch.randn(layout.rows, layout.cols, dtype=dtype, generator=torch.Generator().manual_seed(22))
+    listed, gathered = start.clone(), start.clone()
+    assert codec.decode_add(ascending, layout, [listed], alpha=-0.5, sign=sign)
+    assert codec.decode_add(shuffled, layout, [gathered], alpha=-0.5, sign=sign)
+    assert torch.equal(listed.nan_to_num(7.0), gathered.nan_to_num(7.0))
+    assert not torch.equal(listed.nan_to_num(7.0), start.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize(("shape", "chunk", "k"), [((96, 40), 64, 4), ((1, 256), 64, 8), ((256, 7), 64, 3),
                                                   ((128, 704), 64, 32), ((24, 48), 16, 5)])
 def test_decoding_into_the_targets_on_every_block_geometry(shape, chunk, k):

@@ -804,6 +804,12 @@ class TileTransform {
     const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
     const int64_t tile_numel = g_.chunk_rows * width;
     const int64_t first_block = block_row * (g_.cols / C) + tile * g_.tile_blocks;
+    if (workers == 1 && list_payload(index, values, k, first_block, blocks)) {
+      listed_ = true;  // the lists are the coefficients: no tile is gathered or scanned
+      transform(nullptr, width, target + tile * g_.tile_blocks * C, blocks);
+      listed_ = false;
+      return;
+    }
     std::fill_n(gathered_, tile_numel, T(0));
     if (workers > 1) std::fill_n(spare_, tile_numel, T(0));
     for (int64_t w = 0; w < workers; ++w)
@@ -847,7 +853,7 @@ class TileTransform {
     } else {
       // each block of few nonzero coefficients as one product over them; the others across
       // their rows, then down (every block of the tile at once when none is sparse)
-      const int64_t dense = rank_limit_ < 0 ? blocks : nonzeros(source, ld, blocks);
+      const int64_t dense = listed_ ? 0 : rank_limit_ < 0 ? blocks : nonzeros(source, ld, blocks);
       for (int64_t b = 0; b < blocks; ++b) {
         if (dense < blocks && counts_[b] <= rank_limit_) {
           const int64_t at = b * (rank_limit_ + 1);
@@ -874,6 +880,33 @@ class TileTransform {
       if (down_ && dense == blocks) inverse_down(*down_, stage_, width, width, result_, work_);
     }
     emit_rows(emit_, result_, R, width, target, cols, keep_);
+  }
+
+  // One worker's payload for the tile's `blocks` blocks (from block `first_block` on, k entries
+  // each) as nonzeros() would list the tile it gathers: each block's nonzero values in
+  // ascending block-local index, its row and column. False, with the lists unusable, unless
+  // they are that: every block's indices strictly ascending (as both top-k paths return them;
+  // else the tile is gathered and scanned) and at most rank_limit of them. A zero value is left
+  // out, as the gathered tile would hold +0 there (0 + -0 is +0), which nonzeros() passes over.
+  bool list_payload(const int64_t* index, const T* values, int64_t k, int64_t first_block, int64_t blocks) {
+    if (k > rank_limit_) return false;
+    const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = (first_block + b) * k;
+      int64_t count = 0, previous = -1;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t local = index[at + j];
+        if (local <= previous) return false;
+        previous = local;
+        if (values[at + j] == T(0)) continue;
+        const int64_t slot = b * capacity + count++;
+        at_row_[slot] = local / C;
+        at_col_[slot] = local % C;
+        values_[slot] = values[at + j];
+      }
+      counts_[b] = count;
+    }
+    return true;
   }
 
   // The nonzero coefficients of each of the tile's `blocks` blocks (rows `ld` apart), row by
@@ -919,7 +952,7 @@ class TileTransform {
   const DownPlan<T>* down_;
   const AcrossPlan<T>* across_;
   int64_t rank_limit_;
-  bool keep_ = false;
+  bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payload)
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
   T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
   std::vector<int64_t> at_row_, at_col_, counts_;
