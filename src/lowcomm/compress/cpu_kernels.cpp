@@ -660,13 +660,14 @@ void inverse_across_dense(const AcrossPlan<T>& plan, const T* y, int64_t ld, int
   for (int64_t r = 0; r < rows; ++r) fold_halves(a + r * h, b + r * h, size, out + r * out_ld);
 }
 
-// The number of nonzero entries of a block (rows `ld` apart).
+// Has a block (rows `ld` apart) more than `limit` nonzero entries? Counted row by row, and
+// answered as soon as the count passes the limit (in a dense block, after a few rows).
 template <typename T>
-int64_t count_nonzero(const T* block, int64_t ld, int64_t rows, int64_t width) {
+bool more_nonzero_than(const T* block, int64_t ld, int64_t rows, int64_t width, int64_t limit) {
   int64_t count = 0;
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows && count <= limit; ++r)
     for (int64_t c = 0; c < width; ++c) count += block[r * ld + c] != T(0);
-  return count;
+  return count > limit;
 }
 
 // X = L^T Y R for a block Y of `count` nonzero coefficients v_j at (r_j, c_j), as one product:
@@ -864,7 +865,7 @@ class TileTransform {
         T* out = down_ ? stage_ + b * C : result_ + b * C;
         if (across_) {
           // by rows, skipping zeros, up to 8 nonzero coefficients per row; else as products
-          if (count_nonzero(source + b * C, ld, R, C) > R * 8) {
+          if (more_nonzero_than(source + b * C, ld, R, C, R * 8)) {
             inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
           } else {
             inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
@@ -910,36 +911,40 @@ class TileTransform {
   }
 
   // The nonzero coefficients of each of the tile's `blocks` blocks (rows `ld` apart), row by
-  // row along memory, into per-block lists of at most rank_limit (counts_; a block with more
-  // gets rank_limit + 1 and no list): the number of such blocks. A 64-byte run of zero bits is
-  // passed over at once (a -0.0 is kept: it adds nothing).
+  // row, into per-block lists of at most rank_limit (counts_; a block with more gets rank_limit
+  // + 1 and no list, and is not read further: a dense block costs a few rows): the number of
+  // such blocks. A 64-byte run of zero bits is passed over at once (a -0.0 is kept: it adds
+  // nothing).
   int64_t nonzeros(const T* tile, int64_t ld, int64_t blocks) {
-    const int64_t C = g_.chunk_cols, width = blocks * C, capacity = rank_limit_ + 1;
+    const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
     std::fill_n(counts_.begin(), blocks, 0);
     int64_t dense = 0;
     for (int64_t r = 0; r < g_.chunk_rows; ++r) {
-      const T* row = tile + r * ld;
-      for (int64_t c = 0; c < width; c += kLanes<T>) {
-        const int64_t stop = std::min(width, c + kLanes<T>);
-        if (stop - c == kLanes<T>) {
-          uint64_t words[8], any = 0;
-          std::memcpy(words, row + c, sizeof(words));
-          for (uint64_t word : words) any |= word;
-          if (any == 0) continue;
-        }
-        for (int64_t j = c; j < stop; ++j) {
-          if (row[j] == T(0) && !std::signbit(row[j])) continue;
-          const int64_t b = j / C;
-          int64_t& count = counts_[b];
-          if (count >= rank_limit_) {
-            dense += count == rank_limit_;
-            count = capacity;
-            continue;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int64_t& count = counts_[b];
+        if (count == capacity) continue;  // a block known to have more is not read again
+        const T* cells = tile + r * ld + b * C;
+        for (int64_t c = 0; c < C; c += kLanes<T>) {
+          const int64_t stop = std::min(C, c + kLanes<T>);
+          if (stop - c == kLanes<T>) {
+            uint64_t words[8], any = 0;
+            std::memcpy(words, cells + c, sizeof(words));
+            for (uint64_t word : words) any |= word;
+            if (any == 0) continue;
           }
-          const int64_t at = b * capacity + count++;
-          at_row_[at] = r;
-          at_col_[at] = j - b * C;
-          values_[at] = row[j];
+          for (int64_t j = c; j < stop; ++j) {
+            if (cells[j] == T(0) && !std::signbit(cells[j])) continue;
+            if (count >= rank_limit_) {
+              dense += count == rank_limit_;
+              count = capacity;
+              break;
+            }
+            const int64_t at = b * capacity + count++;
+            at_row_[at] = r;
+            at_col_[at] = j;
+            values_[at] = cells[j];
+          }
+          if (count == capacity) break;
         }
       }
     }
