@@ -150,20 +150,25 @@ def test_decoding_into_the_targets_is_the_aggregate_then_the_inverse_then_the_st
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("sign", [False, True])
+@pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize(("shape", "chunk", "k"), [((320, 1024), 64, 32), ((128, 96), 16, 3), ((96, 40), 64, 4)])
-def test_one_senders_payload_decodes_from_its_lists_as_from_the_gathered_tile(shape, chunk, k, sign, dtype):
-    """With one sender, blocks whose indices ascend (as both top-k paths return them) are
-    inverted from the payload's lists, with no tile gathered and scanned; a payload whose
-    indices do not ascend goes the gathered way. The two agree bit for bit, zeros of either
-    sign and a NaN included."""
+def test_a_few_senders_payloads_decode_from_their_lists_as_from_the_gathered_tile(shape, chunk, k, workers, sign,
+                                                                                  dtype):
+    """With W senders of k coefficients a block, W x k at most the one-product inverse's limit,
+    blocks whose indices ascend (as both top-k paths return them) are inverted from the
+    payloads' merged lists, with no tile gathered and scanned; payloads whose indices do not
+    ascend go the gathered way. The two agree bit for bit: coefficients sent by several workers
+    (their mean), a mean of exactly zero, zeros of either sign and a NaN included."""
     codec = DCTTopK(chunk=chunk, topk=k, wire="paper")
     layout = codec.layout(shape)
-    ascending = _gathered(1, layout, k, seed=21, dtype=dtype)
-    values = ascending.tensors["values"]
-    values[0, 0, 0], values[0, -1, -1], values[0, -1, 1] = 0.0, -0.0, float("nan")
-    order = torch.arange(k - 1, -1, -1).expand(1, layout.num_blocks, k)  # every block's entries descending
-    shuffled = Payload({"index": ascending.tensors["index"].gather(2, order), "values": values.gather(2, order)},
-                       ascending.meta)
+    ascending = _gathered(workers, layout, k, seed=21 + workers, dtype=dtype)
+    index, values = ascending.tensors["index"], ascending.tensors["values"]
+    values[0, 0, 0], values[-1, -1, -1], values[0, -1, 1] = 0.0, -0.0, float("nan")
+    if workers > 1:  # block 0 sent alike by the first two, one of its means exactly zero
+        index[1, 0] = index[0, 0]
+        values[1, 0, 1] = -values[0, 0, 1]
+    order = torch.arange(k - 1, -1, -1).expand(workers, layout.num_blocks, k)  # every block's entries descending
+    shuffled = Payload({"index": index.gather(2, order), "values": values.gather(2, order)}, ascending.meta)
     start = torch.randn(layout.rows, layout.cols, dtype=dtype, generator=torch.Generator().manual_seed(22))
     listed, gathered = start.clone(), start.clone()
     assert codec.decode_add(ascending, layout, [listed], alpha=-0.5, sign=sign)

@@ -762,6 +762,7 @@ class TileTransform {
     at_col_.resize(lists);
     values_.resize(lists);
     counts_.resize(g.tile_blocks);
+    at_head_.resize(std::max<int64_t>(rank_limit_, 1));  // a worker per listed coefficient at most
   }
 
   // Tile `tile` of the block row starting at `source` (rows `cols` apart) into `target`'s.
@@ -805,7 +806,7 @@ class TileTransform {
     const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
     const int64_t tile_numel = g_.chunk_rows * width;
     const int64_t first_block = block_row * (g_.cols / C) + tile * g_.tile_blocks;
-    if (workers == 1 && list_payload(index, values, k, first_block, blocks)) {
+    if (list_payloads(index, values, workers, num_blocks, k, first_block, blocks)) {
       listed_ = true;  // the lists are the coefficients: no tile is gathered or scanned
       transform(nullptr, width, target + tile * g_.tile_blocks * C, blocks);
       listed_ = false;
@@ -883,27 +884,49 @@ class TileTransform {
     emit_rows(emit_, result_, R, width, target, cols, keep_);
   }
 
-  // One worker's payload for the tile's `blocks` blocks (from block `first_block` on, k entries
-  // each) as nonzeros() would list the tile it gathers: each block's nonzero values in
-  // ascending block-local index, its row and column. False, with the lists unusable, unless
-  // they are that: every block's indices strictly ascending (as both top-k paths return them;
-  // else the tile is gathered and scanned) and at most rank_limit of them. A zero value is left
-  // out, as the gathered tile would hold +0 there (0 + -0 is +0), which nonzeros() passes over.
-  bool list_payload(const int64_t* index, const T* values, int64_t k, int64_t first_block, int64_t blocks) {
-    if (k > rank_limit_) return false;
+  // W workers' payloads for the tile's `blocks` blocks (from block `first_block` on, k entries
+  // each) as nonzeros() would list the tile run_gathered gathers from them: each block's nonzero
+  // coefficients in ascending block-local index, with their rows and columns, each the mean
+  // over the workers that sent it, summed in worker order from +0 and divided by their number
+  // at W > 1, as the gathered tile holds it. The workers' ascending lists are merged. False,
+  // with the lists unusable, unless they are that: each worker's indices of each block strictly
+  // ascending (as both top-k paths return them; else the tile is gathered and scanned) and W x k
+  // at most rank_limit. A coefficient of +0 is left out, as nonzeros() passes over it; a sum
+  // from +0 is never -0.
+  bool list_payloads(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
+                     int64_t first_block, int64_t blocks) {
+    if (workers * k > rank_limit_) return false;
     const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
+    int64_t* heads = at_head_.data();  // per worker: its next entry of the block
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (first_block + b) * k;
-      int64_t count = 0, previous = -1;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t local = index[at + j];
-        if (local <= previous) return false;
-        previous = local;
-        if (values[at + j] == T(0)) continue;
+      for (int64_t w = 0; w < workers; ++w) {
+        const int64_t* sent = index + (w * num_blocks + first_block + b) * k;
+        for (int64_t j = 1; j < k; ++j)
+          if (sent[j] <= sent[j - 1]) return false;
+        heads[w] = 0;
+      }
+      int64_t count = 0;
+      for (;;) {
+        int64_t lowest = std::numeric_limits<int64_t>::max();
+        for (int64_t w = 0; w < workers; ++w)
+          if (heads[w] < k) lowest = std::min(lowest, index[(w * num_blocks + first_block + b) * k + heads[w]]);
+        if (lowest == std::numeric_limits<int64_t>::max()) break;
+        T sum = T(0);
+        int64_t senders = 0;
+        for (int64_t w = 0; w < workers; ++w) {
+          const int64_t at = (w * num_blocks + first_block + b) * k + heads[w];
+          if (heads[w] < k && index[at] == lowest) {
+            sum += values[at];
+            ++senders;
+            ++heads[w];
+          }
+        }
+        if (workers > 1) sum /= T(senders);
+        if (sum == T(0)) continue;
         const int64_t slot = b * capacity + count++;
-        at_row_[slot] = local / C;
-        at_col_[slot] = local % C;
-        values_[slot] = values[at + j];
+        at_row_[slot] = lowest / C;
+        at_col_[slot] = lowest % C;
+        values_[slot] = sum;
       }
       counts_[b] = count;
     }
@@ -957,10 +980,10 @@ class TileTransform {
   const DownPlan<T>* down_;
   const AcrossPlan<T>* across_;
   int64_t rank_limit_;
-  bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payload)
+  bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payloads)
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
   T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
-  std::vector<int64_t> at_row_, at_col_, counts_;
+  std::vector<int64_t> at_row_, at_col_, counts_, at_head_;
   std::vector<T> values_;
 };
 
