@@ -204,6 +204,23 @@ def test_a_block_inverse_does_not_depend_on_its_neighbours():
     assert torch.equal(on_the_left, dct_transform(alone.contiguous(), layout, inverse=True)[:, :64])
 
 
+def test_a_wide_blocks_inverse_by_rows_leaves_the_next_blocks_list_alone():
+    """Blocks of 16 x 64: the one-product inverse takes up to 24 coefficients, the inverse by
+    rows a block of up to 128. A block with one whole row of 64 (by rows: its row lists 32
+    coefficients of each half) before one of 10 (one product), in one tile: each against the
+    definition."""
+    layout = BlockLayout((16, 128), 16, 128, 16, 64)
+    generator = torch.Generator().manual_seed(31)
+    first = torch.zeros(16, 64, dtype=F64)
+    first[5] = torch.randn(64, generator=generator, dtype=F64)
+    second = torch.zeros(16 * 64, dtype=F64)
+    second[torch.randperm(16 * 64, generator=generator)[:10]] = torch.randn(10, generator=generator, dtype=F64)
+    blocks = [first, second.view(16, 64)]
+    want = torch.cat([dense_dct(block, 64, inverse=True) for block in blocks], dim=1)
+    got = dct_transform(torch.cat(blocks, dim=1), layout, inverse=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_a_nan_in_the_aggregate_moves_no_parameter_on_the_sign_base_as_on_the_torch_path():
     """torch.sign(nan) is 0: the separate steps leave an entry whose update is NaN where it was,
     and so does the kernel."""

@@ -353,8 +353,10 @@ def test_subtracting_what_is_sent_in_the_encodes_pass_is_the_separate_subtractio
     select = DCTTopK.transform_select
 
     def spy(self, *args, subtract=0.0, **kwargs):
+        selected = select(self, *args, subtract=subtract, **kwargs)
+        assert selected is not None  # the kernel ran
         subtracted_in_pass.append(subtract)
-        return select(self, *args, subtract=subtract, **kwargs)
+        return selected
 
     monkeypatch.setattr(DCTTopK, "transform_select", spy)
     runs = []

@@ -38,8 +38,8 @@
 // instead of 4,096. Along the rows of a block (the right basis, B C_C^T) it is split once, into
 // two half-size products. Each step is exact in exact arithmetic; the rounding differs from the
 // dense products' by a few float ulps. The inverse runs the transposed steps in the reverse
-// order; a block of at most 1.5 x 64 nonzero coefficients (an aggregate of one or two senders'
-// top-k) is inverted as one product over them, X = sum_j v_j L[r_j]^T R[c_j]: the choice is made
+// order; a block of at most 1.5 x 64 nonzero coefficients (an aggregate of up to three senders'
+// top-32) is inverted as one product over them, X = sum_j v_j L[r_j]^T R[c_j]: the choice is made
 // per block, from its own coefficients, so a block's result never depends on its neighbours'.
 //
 // dct_blocks_topk: dct_blocks into one target and block_topk of the new target, each tile
@@ -758,7 +758,8 @@ class TileTransform {
     work_ = spare_ + tile;  // 3 tiles, then 4 x the longer side
     small_ = work_ + 3 * tile;
     const int64_t lists = g.tile_blocks * (rank_limit_ + 1);
-    at_row_.resize(std::max(lists, most));
+    at_row_.resize(lists);
+    row_scratch_.resize(most);  // inverse_across's own: the lists of the tile's later blocks live in at_row_
     at_col_.resize(lists);
     values_.resize(lists);
     counts_.resize(g.tile_blocks);
@@ -777,7 +778,7 @@ class TileTransform {
   // still in cache, rounded as torch's index_add_(positions, values, alpha=-subtract) rounds it:
   // the product, then the sum.
   void run_selecting(const T* source, T* target, int64_t tile, const Geometry& selecting, int64_t block_row,
-                     int64_t* index, int64_t* positions, T* values, Selection<T>& selection, T subtract) {
+                     int64_t* index, int64_t* positions, T* values, Selection<T>& selection, double subtract) {
     const int64_t first = tile * g_.tile_blocks * g_.chunk_cols, blocks = tile_blocks(tile);
     keep_ = true;
     transform(source + first, g_.cols, target + first, blocks);
@@ -785,8 +786,8 @@ class TileTransform {
     const int64_t bc_first = tile * g_.tile_blocks;
     select_blocks<T>(result_, blocks * g_.chunk_cols, selecting, block_row, bc_first, bc_first + blocks, index,
                      positions, values, selection);
-    if (subtract == T(0)) return;
-    const T minus = -subtract;
+    if (subtract == 0.0) return;
+    const T minus = static_cast<T>(-subtract);  // as index_add_ takes its alpha
     const int64_t origin = block_row * g_.chunk_rows * g_.cols;  // the block row's first position
     const int64_t from = (block_row * (g_.cols / g_.chunk_cols) + bc_first) * selecting.k;
     for (int64_t at = from; at < from + blocks * selecting.k; ++at) {
@@ -800,7 +801,9 @@ class TileTransform {
   // its coefficients given by W workers' payloads: `index` and `values` (W x num_blocks x k,
   // block-local indices). Each position gets the mean over the workers that sent it, summed in
   // worker order and divided by their number at W > 1 (DCTTopK.aggregate_gathered's rule, bit
-  // for bit), in a tile in cache: the rows x cols coefficients never pass through memory.
+  // for bit), in a tile in cache: the rows x cols coefficients never pass through memory. Where
+  // the payloads can be read as the one-product inverse's lists (list_payloads), no tile is
+  // gathered at all.
   void run_gathered(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
                     int64_t block_row, T* target, int64_t tile) {
     const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
@@ -869,7 +872,7 @@ class TileTransform {
           if (more_nonzero_than(source + b * C, ld, R, C, R * 8)) {
             inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
           } else {
-            inverse_across(*across_, source + b * C, ld, R, out, width, small_, at_row_.data());
+            inverse_across(*across_, source + b * C, ld, R, out, width, small_, row_scratch_.data());
           }
         } else {
           for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
@@ -891,11 +894,12 @@ class TileTransform {
   // at W > 1, as the gathered tile holds it. The workers' ascending lists are merged. False,
   // with the lists unusable, unless they are that: each worker's indices of each block strictly
   // ascending (as both top-k paths return them; else the tile is gathered and scanned) and W x k
-  // at most rank_limit. A coefficient of +0 is left out, as nonzeros() passes over it; a sum
-  // from +0 is never -0.
+  // at most rank_limit. A mean of zero is left out: nonzeros() passes over a +0 and keeps a -0
+  // (a negative subnormal halved), which adds only exact zeros to sums that start at +0: the
+  // inverse is the same either way, and the count stays within rank_limit.
   bool list_payloads(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
                      int64_t first_block, int64_t blocks) {
-    if (workers * k > rank_limit_) return false;
+    if (k < 1 || workers * k > rank_limit_) return false;
     const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
     int64_t* heads = at_head_.data();  // per worker: its next entry of the block
     for (int64_t b = 0; b < blocks; ++b) {
@@ -983,7 +987,7 @@ class TileTransform {
   bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payloads)
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
   T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
-  std::vector<int64_t> at_row_, at_col_, counts_, at_head_;
+  std::vector<int64_t> at_row_, at_col_, counts_, at_head_, row_scratch_;
   std::vector<T> values_;
 };
 
@@ -1071,7 +1075,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dct_blocks_topk(at::TensorList pa
       for (int64_t task = first; task < last; ++task) {
         const int64_t block_row = task / tiles, tile = task % tiles;
         transform.run_selecting(sources[block_row], data + block_row * slab, tile, selecting, block_row, index_out,
-                                positions_out, values_out, selection, static_cast<scalar_t>(subtract));
+                                positions_out, values_out, selection, subtract);
       }
     });
   });

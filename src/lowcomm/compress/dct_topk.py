@@ -379,7 +379,9 @@ class DCTTopK:
         :meth:`aggregate_gathered` makes it; P^-1 the inverse block DCT; f the sign (``sign``)
         or nothing; ``targets`` the row blocks of ``layout``'s ``rows x cols`` matrix, top to
         bottom (DeMo's update of a stack of parameters). Each tile of 64-row blocks gathers its
-        coefficients in cache, so no ``rows x cols`` buffer is zeroed, filled or read. Returns
+        coefficients in cache, so no ``rows x cols`` buffer is zeroed, filled or read; from a
+        few senders (up to three of DeMo's top-32) their payloads' ascending lists, merged, are
+        the coefficients and no tile is gathered at all. Returns
         False, with nothing done, where the kernels cannot (:func:`~lowcomm.compress.dct.dct_kernels`)."""
         if not self.decodes_into(gathered, targets):
             return False
