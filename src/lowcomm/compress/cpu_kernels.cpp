@@ -763,7 +763,7 @@ class TileTransform {
     at_col_.resize(lists);
     values_.resize(lists);
     counts_.resize(g.tile_blocks);
-    at_head_.resize(std::max<int64_t>(rank_limit_, 1));  // a worker per listed coefficient at most
+    heads_.resize(2 * std::max<int64_t>(rank_limit_, 1));  // list_payloads': at most a worker per listed coefficient
   }
 
   // Tile `tile` of the block row starting at `source` (rows `cols` apart) into `target`'s.
@@ -901,30 +901,28 @@ class TileTransform {
                      int64_t first_block, int64_t blocks) {
     if (k < 1 || workers * k > rank_limit_) return false;
     const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
-    int64_t* heads = at_head_.data();  // per worker: its next entry of the block
+    int64_t* next = heads_.data();       // per worker: its next entry of the block, in index and values
+    int64_t* stop = next + workers;      // and where its block's entries end
     for (int64_t b = 0; b < blocks; ++b) {
       for (int64_t w = 0; w < workers; ++w) {
-        const int64_t* sent = index + (w * num_blocks + first_block + b) * k;
-        for (int64_t j = 1; j < k; ++j)
-          if (sent[j] <= sent[j - 1]) return false;
-        heads[w] = 0;
+        next[w] = (w * num_blocks + first_block + b) * k;
+        stop[w] = next[w] + k;
+        for (int64_t at = next[w] + 1; at < stop[w]; ++at)
+          if (index[at] <= index[at - 1]) return false;
       }
       int64_t count = 0;
       for (;;) {
         int64_t lowest = std::numeric_limits<int64_t>::max();
         for (int64_t w = 0; w < workers; ++w)
-          if (heads[w] < k) lowest = std::min(lowest, index[(w * num_blocks + first_block + b) * k + heads[w]]);
+          if (next[w] < stop[w]) lowest = std::min(lowest, index[next[w]]);
         if (lowest == std::numeric_limits<int64_t>::max()) break;
         T sum = T(0);
         int64_t senders = 0;
-        for (int64_t w = 0; w < workers; ++w) {
-          const int64_t at = (w * num_blocks + first_block + b) * k + heads[w];
-          if (heads[w] < k && index[at] == lowest) {
-            sum += values[at];
+        for (int64_t w = 0; w < workers; ++w)
+          if (next[w] < stop[w] && index[next[w]] == lowest) {
+            sum += values[next[w]++];
             ++senders;
-            ++heads[w];
           }
-        }
         if (workers > 1) sum /= T(senders);
         if (sum == T(0)) continue;
         const int64_t slot = b * capacity + count++;
@@ -987,7 +985,7 @@ class TileTransform {
   bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payloads)
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
   T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
-  std::vector<int64_t> at_row_, at_col_, counts_, at_head_, row_scratch_;
+  std::vector<int64_t> at_row_, at_col_, counts_, heads_, row_scratch_;
   std::vector<T> values_;
 };
 

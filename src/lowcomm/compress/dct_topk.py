@@ -175,11 +175,15 @@ class DCTTopK:
         subtracts its own unquantized result)."""
         return self.wire != "signbit"
 
+    def removed(self, values: torch.Tensor) -> torch.Tensor:
+        """What a sender removes from its momentum for the selected ``values``: what receivers
+        decode of them where they decode magnitudes (:meth:`received`), else the values."""
+        return self.received(values) if self.decodes_magnitudes else values
+
     @property
     def removes_selected_values(self) -> bool:
-        """Is what a sender removes from its momentum the selected values themselves? The paper
-        wire sends them as they are; ``signbit`` removes them (above). The other wires round
-        them first (:meth:`received`)."""
+        """Is :meth:`removed` the selected values themselves, whatever they are? The paper wire
+        sends them as they are and ``signbit`` removes them; the other wires round them first."""
         return self.wire == "paper" or not self.decodes_magnitudes
 
     def kept_per_block(self, layout: BlockLayout) -> int:

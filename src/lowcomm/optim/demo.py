@@ -680,8 +680,7 @@ class DeMo(torch.optim.Optimizer):
             payloads = [self.codec.pack(index[first:last], values[first:last], part)
                         for part, (first, last) in zip(stack.layouts, stack.block_spans(), strict=True)]
             if alpha and not subtracted:
-                # what the receivers will decode; the values themselves where they decode signs only
-                sent = self.codec.received(values) if self.codec.decodes_magnitudes else values
+                sent = self.codec.removed(values)
                 if self._momentum_in_coefficients:  # a sparse update of the coefficients
                     momentum.view(-1).index_add_(0, positions.view(-1), sent.reshape(-1), alpha=-alpha)
                 else:
