@@ -344,11 +344,13 @@ def test_transform_and_select_in_one_pass_is_the_transform_then_the_selection(sh
 
 @pytest.mark.parametrize("wire", WIRES)
 def test_a_wire_removes_the_selected_values_where_what_it_subtracts_is_them(wire):
-    """removes_selected_values (which lets DeMo's encode subtract in its kernel's pass) against
-    what DeMo subtracts: what receivers decode where they decode magnitudes, else the values."""
+    """removed and removes_selected_values (which lets DeMo's encode subtract in its kernel's
+    pass) against what a sender subtracts: what receivers decode where they decode magnitudes,
+    else the values."""
     codec = DCTTopK(chunk=8, topk=4, wire=wire)
     values = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
     subtracted = codec.received(values) if codec.decodes_magnitudes else values
+    assert torch.equal(codec.removed(values), subtracted)
     assert codec.removes_selected_values == torch.equal(subtracted, values)
 
 
