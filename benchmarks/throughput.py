@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS, bf16_peak_flops
 
@@ -66,11 +65,11 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
 
     from lowcomm.data import BatchOrder
     from lowcomm.models import build_model
-    from lowcomm.train.loop import with_speed_settings
+    from lowcomm.train.loop import next_token_loss, with_speed_settings
 
     train = run.train
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model, autocast = with_speed_settings(build_model(run.model, device, seed=run.seed), train, device)
+    model, autocast, loss_of = with_speed_settings(build_model(run.model, device, seed=run.seed), train, device)
     model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                     device_ids=[device.index] if device.type == "cuda" else None)
     cfg = run.optimizer
@@ -92,8 +91,7 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
             tokens = data.train.batch(indices).to(device, non_blocking=True)
             ctx = model.no_sync() if i < len(micro) - 1 else torch.enable_grad()
             with ctx, autocast:
-                logits = model(tokens[:, :-1]).logits
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1))
+                loss = next_token_loss(model, tokens, loss=loss_of)
                 (loss / len(micro)).backward()
         if train.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)

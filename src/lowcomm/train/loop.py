@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import logging
@@ -124,23 +125,42 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The next-token loss of ``logits`` (batch x positions x vocabulary) against ``targets``
+    (batch x positions), in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction=reduction)
+
+
+@functools.cache
+def compiled_cross_entropy() -> Callable[..., torch.Tensor]:
+    """:func:`cross_entropy` compiled, one per process. Eagerly the loss writes a float32 copy
+    of the logits and passes over it in its softmax, forward and backward: at OLMo-300M's 16 x
+    2,048 x 50,304 logits that copy is 6.6 GB of memory traffic per micro-batch, which the
+    compiled loss fuses into its reductions."""
+    return torch.compile(cross_entropy)
+
+
 def with_speed_settings(model: torch.nn.Module, train, device: torch.device):
-    """The model in ``train.param_dtype`` and compiled as ``train.compile`` says, and the autocast
-    context ``train.precision`` asks for (bf16 on a GPU, none on the CPU): what the Trainer and
-    ``benchmarks/throughput.py``'s bare loop both run."""
+    """The model in ``train.param_dtype`` and compiled as ``train.compile`` says, the autocast
+    context ``train.precision`` asks for (bf16 on a GPU, none on the CPU), and the loss to take of
+    its logits (compiled where the model is): what the Trainer and ``benchmarks/throughput.py``'s
+    bare loop both run. Returns ``(model, autocast, loss)``."""
     if train.param_dtype == "bf16":
         model = model.to(torch.bfloat16)
+    loss = cross_entropy
     if compiles(train.compile, device):
         model.compile()  # in place: the state dict's keys, and so the checkpoints, are unchanged
+        loss = compiled_cross_entropy()
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and train.precision in ("auto", "bf16") else contextlib.nullcontext())
-    return model, autocast
+    return model, autocast, loss
 
 
-def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    logits = model(tokens[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1),
-                           reduction=reduction)
+def next_token_loss(model: torch.nn.Module, tokens: torch.Tensor, reduction: str = "mean",
+                    loss: Callable[..., torch.Tensor] = cross_entropy) -> torch.Tensor:
+    """``model``'s loss of predicting each of ``tokens`` (batch x length) from those before it,
+    taken by ``loss`` (:func:`cross_entropy`, or the compiled one of :func:`with_speed_settings`)."""
+    return loss(model(tokens[:, :-1]).logits, tokens[:, 1:], reduction)
 
 
 class Trainer:
@@ -163,8 +183,8 @@ class Trainer:
         run = self.run
         train = run.train
         self.data = open_data(run.data, train.seq_len, run.run_root, run.model.tokenizer)
-        model, self.autocast = with_speed_settings(build_model(run.model, self.device, seed=run.seed), train,
-                                                   self.device)
+        model, self.autocast, self.loss = with_speed_settings(build_model(run.model, self.device, seed=run.seed),
+                                                              train, self.device)
         self.n_params = count_parameters(model)
         self.strategy = run.strategy_class(run.optimizer, run.compression, self.comm)
         self.model, self.optimizer = self.strategy.build(model)
@@ -185,7 +205,7 @@ class Trainer:
             tokens = self.data.train.batch(indices).to(self.device, non_blocking=True)
             last = i == len(micro_batches) - 1
             with (contextlib.nullcontext() if last else self.strategy.no_sync(self.model)), self.autocast:
-                loss = next_token_loss(self.model, tokens)
+                loss = next_token_loss(self.model, tokens, loss=self.loss)
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         # a strategy whose method clips otherwise (DES-LOC: per coordinate) opts out
@@ -216,7 +236,7 @@ class Trainer:
         for indices, counted in batches:
             tokens = self.data.val.batch(indices).to(self.device)
             with self.autocast:
-                nll = next_token_loss(self.strategy.unwrap(self.model), tokens, reduction="sum")
+                nll = next_token_loss(self.strategy.unwrap(self.model), tokens, "sum", self.loss)
             if counted:
                 nll_sum, count = nll_sum + nll.item(), count + tokens[:, 1:].numel()
         self.model.train()
