@@ -12,10 +12,12 @@ step in what is timed, once per H steps, as in training.
 
 The table gives, per method: the mean time per step over its cycles, its slowest step (the
 synchronisation, for the outer-loop methods), the mean's ratio to AdamW-DDP's, and the phases of
-one extra cycle under torch.profiler, each aten operator's own time (``self`` time: nothing
-counted twice) summed by kind: matmul, DCT kernels (lowcomm's CPU kernels of DeMo's block DCT:
-its encode with the top-k, its decode with the update), top-k/sort, scatter/gather,
-communication, copy/cast, elementwise (the rest).
+one extra cycle under torch.profiler as shares of its wall time, split as ``profiles.py`` splits
+a window: on the CPU each operator's own (``self``) time by kind, and the time outside operators;
+on a GPU each kernel's time by kind, and the GPU's idle. The kinds: matmul, attention, fused
+(Triton), DCT kernels (lowcomm's kernels of DeMo's block DCT: its encode with the top-k, its
+decode with the update), top-k/sort, scatter/gather, communication, copy/cast, elementwise (the
+rest); a column for each kind some method spent time in.
 
     python benchmarks/step_cost.py                        # CPU, 1 of 300M's 16 blocks, every method
     python benchmarks/step_cost.py --blocks 8 --methods adamw_ddp demo muon_ddp
@@ -32,32 +34,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-# in the order names are matched: a collective's name holds "gather", so communication comes
-# first; then lowcomm's DCT kernels (DeMo's encode and decode, whose names hold "topk" and "gather")
-KINDS = {
-    "communication": ("gloo", "nccl", "c10d", "all_gather", "all_reduce", "broadcast", "allgather", "allreduce"),
-    "DCT kernels": ("dct_",),
-    "matmul": ("mm", "bmm", "addmm", "matmul", "linalg", "baddbmm", "einsum", "addbmm"),
-    "top-k/sort": ("topk", "sort", "kthvalue"),
-    "scatter/gather": ("scatter", "gather", "index", "take", "masked"),
-    "copy/cast": ("copy", "_to_copy", "clone", "cat", "stack", "contiguous", "empty", "zero", "fill"),
-}
-ORDER = ("matmul", "DCT kernels", "top-k/sort", "scatter/gather", "communication", "copy/cast",
-         "elementwise")  # the table's
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def kind_of(op_name: str) -> str:
-    """The kind of an operator (``aten::mm``, ``lowcomm::block_topk``, ``c10d::allreduce_``) or a
-    profiler range (``DeMo.topk``) by its name: the words of the name after its namespace (so
-    that ``lowcomm::`` does not read as a matmul), or the namespace itself (``c10d``)."""
-    namespace, _, name = op_name.lower().rpartition("::")
-    for kind, keys in KINDS.items():
-        if namespace in keys or any(key in name for key in keys):
-            return kind
-    return "elementwise"
+from profiles import KIND_ORDER, breakdown  # noqa: E402  (a sibling script)
 
 
 def _sync(device: torch.device) -> None:
@@ -173,17 +156,16 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
             _sync(device)
             times.append(time.perf_counter() - started)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _sync(device)
         with profile(activities=activities) as prof:
+            profiled = time.perf_counter()
             for _ in range(steps):
                 _step(model, optimizer, grads, bucket)
             _sync(device)
-        kinds = dict.fromkeys(ORDER, 0.0)
-        for event in prof.key_averages():
-            own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
-            kinds[kind_of(event.key)] += own / 1e6
-        total = sum(kinds.values()) or 1.0
+            profiled = time.perf_counter() - profiled
+        window = breakdown(prof.events(), device.type, steps, profiled)
         results[name] = {"mean_s": statistics.fmean(times), "slowest_s": max(times), "steps": steps,
-                         "phases": {kind: seconds / total for kind, seconds in kinds.items()},
+                         "phases": window.shares(),
                          "parameters": sum(p.numel() for p in model.parameters())}
         # each row as soon as it is measured: a run cut short (a time limit) still says what it measured
         baseline = results[names[0]].get("mean_s")
@@ -210,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: every core)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds is at least 1, got {args.rounds}")
     if not 1 <= args.blocks <= total_blocks:
         parser.error(f"--blocks is 1 to {total_blocks} (OLMo-300M has {total_blocks} blocks), got {args.blocks}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -228,18 +212,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     baseline = results["adamw_ddp"]["mean_s"]
     parameters = next(r["parameters"] for r in results.values() if "parameters" in r)
+    # a column for every kind some method spent time in, and the time outside them: each row sums to 100 %
+    measured = [result["phases"] for result in results.values() if "phases" in result]
+    columns = [kind for kind in KIND_ORDER if any(phases[kind] > 0 for phases in measured)]
+    columns += [key for key in measured[0] if key not in KIND_ORDER]
     print(f"optimizer step cost, OLMo-300M shapes with {args.blocks} of {total_blocks} blocks ({parameters:,} parameters), W=1, "
-          f"{device}; mean over {args.rounds} cycles after a warm-up; phases: aten self time of one cycle "
-          f"(torch.profiler), {time.perf_counter() - started:.0f} s in all\n")
-    print("| method | cycle (steps) | mean s/step | slowest step s | x AdamW-DDP | "
-          + " | ".join(ORDER) + " |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(ORDER))
+          f"{device}; mean over {args.rounds} cycles after a warm-up; phases: one more cycle under torch.profiler, "
+          + ("its kernels by kind and the GPU's idle" if args.device == "cuda" else
+             "its operators' own time by kind and the time outside operators")
+          + f", as shares of its wall time (benchmarks/profiles.py); {time.perf_counter() - started:.0f} s in all\n")
+    print("| method | cycle (steps) | mean s/step | slowest step s | x AdamW-DDP | " + " | ".join(columns) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(columns))
     for name in names:
         result = results[name]
         if "error" in result:
             print(f"| {name} | cannot run at W=1: {result['error']} |")
             continue
-        phases = " | ".join(f"{result['phases'][kind]:.0%}" for kind in ORDER)
+        phases = " | ".join(f"{result['phases'][kind]:.0%}" for kind in columns)
         print(f"| {name} | {result['steps']} | {result['mean_s']:.4f} | {result['slowest_s']:.4f} | "
               f"{result['mean_s'] / baseline:.2f}x | {phases} |")
     return 0

@@ -16,11 +16,14 @@ With ``--device cpu`` only the CPU row is measured; with ``--device cuda`` the t
 320 s on an H200, about a minute of it compiling each 300M run; 187 s eager,
 ``train.compile=false``). DeMo's bucket is its GPU default (200M elements: one bucket for the
 optimizer rows' 117.4M parameters) unless ``--bucket-numel``; ``--cuda-graph`` replays its step
-as CUDA graphs, in both kinds of row. Each row is printed as soon as it is measured, then the
-table.
+as CUDA graphs, in both kinds of row; ``--profile N`` profiles N more steps of each training row
+and prints where their time goes (``profiles.py``: kernels by kind, the GPU's idle, the MFU of the
+window), the profile a target not met calls for. Each row is printed as soon as it is measured,
+then the table.
 
     python benchmarks/targets.py                     # CPU row, about 15 s
     python benchmarks/targets.py --device cuda --threads 8 --repeats 1
+    python benchmarks/targets.py --device cuda --threads 8 --repeats 1 --profile 3   # and where the time goes
     python benchmarks/targets.py --device cuda --threads 8 --cuda-graph train.compile=false
 """
 
@@ -67,8 +70,10 @@ def random_corpus(directory: Path, tokens: int, seed: int) -> Path:
 
 
 def training_runs(steps: int, repeats: int, bucket_numel: int | None, overrides: list[str],
-                  device: str = "cuda", cuda_graph: bool = False) -> dict[str, dict]:
-    """OLMo-300M, one worker (one GPU): lowcomm's AdamW-DDP and DeMo, tokens/s and MFU."""
+                  device: str = "cuda", cuda_graph: bool = False, profile_steps: int = 0) -> dict[str, dict]:
+    """OLMo-300M, one worker (one GPU): lowcomm's AdamW-DDP and DeMo, tokens/s and MFU; with
+    ``profile_steps``, where the time of that many more of each one's steps goes, printed after
+    its row."""
     sequences, length = TOKENS_PER_STEP
     results = {}
     with tempfile.TemporaryDirectory() as root:
@@ -82,11 +87,14 @@ def training_runs(steps: int, repeats: int, bucket_numel: int | None, overrides:
             extra += ["optimizer.cuda_graph=true"] if name == "demo" and cuda_graph else []
             print(f"[targets] OLMo-300M, {name}: {repeats} x 2 windows of {steps} steps", flush=True)
             result = results[name] = throughput.measure(1, steps, repeats, device,
-                                                        [f"optimizer={name}", *common, *extra])
+                                                        [f"optimizer={name}", *common, *extra],
+                                                        profile_steps=profile_steps)
             mfu = "" if result["mfu_6n"] is None else (
                 f", MFU 6N {result['mfu_6n']:.1%}, OLMo-core {result['mfu_olmo_core']:.1%}")
             print(f"[targets] OLMo-300M, {name}: {result['lowcomm']:,.0f} tokens/s (bare DDP + AdamW "
                   f"{result['bare']:,.0f}){mfu}", flush=True)
+            if result["profile"] is not None:
+                print(f"[targets] OLMo-300M, {name}, " + throughput.profile_table(result, 1), flush=True)
     return results
 
 
@@ -100,8 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-numel", type=int, default=None, help="DeMo's optimizer.bucket_numel")
     parser.add_argument("--cuda-graph", action="store_true", help="DeMo's optimizer.cuda_graph=true (its step "
                                                                    "replayed as CUDA graphs; on a GPU)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after each training row, profile this many more of its steps and print where "
+                             "their time goes (kernels by kind, the device idle, MFU); with --device cuda")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the training rows, e.g. train.compile=true")
     args = parser.parse_args(argv)
+    for name in ("steps", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} is at least 1, got {getattr(args, name)}")
+    if args.profile < 0:
+        parser.error(f"--profile is 0 (none) or more steps, got {args.profile}")
+    if args.profile and args.device != "cuda":
+        parser.error("--profile profiles the training rows, which run on a GPU: use it with --device cuda")
 
     rows: list[tuple[str, str, str, bool | None]] = []  # figure, measured, target, met (None: not measured)
 
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{ratios['vs_adamw']:.2f}x ({ratios['demo_ms']:.1f} / {ratios['adamw_ms']:.1f} ms; "
                  f"fused AdamW {ratios['fused_ms']:.1f} ms)", "<= 2x", ratios["vs_adamw"] <= 2)
         steps = training_runs(3 * args.steps, args.repeats, args.bucket_numel, args.overrides,
-                              cuda_graph=args.cuda_graph)
+                              cuda_graph=args.cuda_graph, profile_steps=args.profile)
         adamw, demo = steps["adamw_ddp"], steps["demo"]
         slower = adamw["lowcomm"] / demo["lowcomm"]  # tokens/s, so the step-time ratio
         measured("GPU, DeMo's 300M training step / AdamW-DDP's, W=1",

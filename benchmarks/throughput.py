@@ -34,6 +34,10 @@ import torch
 
 from lowcomm.hardware import H100_BF16_PEAK_FLOPS, bf16_peak_flops
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profiles import Breakdown, breakdown  # noqa: E402  (a sibling script)
+
 _OPTIMIZER_KEYS = ("optimizer", "compression")  # overrides that pick lowcomm's optimizer, not the baseline's
 
 
@@ -110,7 +114,9 @@ def _bare_loop(run, data, steps: int, device: torch.device, bucket_cap_mb: float
     return train.global_batch_size * train.seq_len * steps / (time.perf_counter() - t0)
 
 
-def _lowcomm_loop(run) -> float:
+def _lowcomm_loop(run):
+    """lowcomm's own loop over the run: rank 0's tokens/s of its second (warm) logged window,
+    NaN elsewhere, and the Trainer, still open and warm."""
     from lowcomm.distenv import DistEnv
     from lowcomm.train.loop import Trainer
     from lowcomm.train.metrics import read_metrics
@@ -121,12 +127,32 @@ def _lowcomm_loop(run) -> float:
     trainer = Trainer(run, env)
     trainer.fit()
     if trainer.comm.rank != 0:
-        return float("nan")
+        return float("nan"), trainer
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "perf/tokens_per_s" in r]
-    return records[-1]["perf/tokens_per_s"]  # the second, warm window
+    return records[-1]["perf/tokens_per_s"], trainer  # the second, warm window
 
 
-def _worker(rank, world, overrides, steps, repeats, root, device_type):
+def _profile(trainer, steps: int) -> dict:
+    """``steps`` more of the warm Trainer's own steps (``Trainer.train_step``: compiled, buckets
+    built, state allocated) under torch.profiler, each waiting for its loss as the loop does;
+    their :class:`profiles.Breakdown`, as a dict (it crosses a process boundary)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = trainer.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trainer.model.train()
+    _sync(device)
+    torch.distributed.barrier()
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for step in range(steps):  # the run's first steps' batches again: the time does not depend on them
+            float(trainer.train_step(step))
+        _sync(device)
+        wall = time.perf_counter() - started
+    return vars(breakdown(prof.events(), device.type, steps, wall))
+
+
+def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_steps=0):
     import shutil
 
     from lowcomm.config import validate
@@ -160,23 +186,26 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         _reset_peak_memory(device)
-        ours.append(_lowcomm_loop(run))
+        tokens_per_s, trainer = _lowcomm_loop(run)
+        ours.append(tokens_per_s)
         our_memory.append(_peak_memory_mb(device))
         torch.distributed.barrier()
+    profiled = _profile(trainer, profile_steps) if profile_steps else None
     parameters = count_parameters(build_model(run.model, "meta"))
     return {"bare": bare, "lowcomm": ours, "run": run.run_name, "tokens_per_step":
             run.train.global_batch_size * run.train.seq_len, "memory_bare": max(bare_memory),
             "memory_lowcomm": max(our_memory), "parameters": parameters,
             "flops_per_token": flops_per_token(run.model, parameters, run.train.seq_len),
-            "model": run.model.name, "optimizer": run.optimizer_name}
+            "model": run.model.name, "optimizer": run.optimizer_name, "profile": profiled}
 
 
 def measure(workers: int, steps: int, repeats: int, device: str, overrides: list[str],
-            peak_flops: float | None = None) -> dict:
+            peak_flops: float | None = None, profile_steps: int = 0) -> dict:
     """Both loops on ``workers`` processes: the best tokens/s of each (``bare``, ``lowcomm``),
     every window's (``all_*``), peak memory per worker (``memory_*``, MB), FLOPs per token and
     lowcomm's MFU both ways (``mfu_6n``, ``mfu_olmo_core``; None without a peak: on CPU unless
-    ``peak_flops`` is given)."""
+    ``peak_flops`` is given). With ``profile_steps``, ``profile``: rank 0's
+    :class:`profiles.Breakdown` of that many more of lowcomm's steps (else None)."""
     peak_flops = peak_flops or (
         (bf16_peak_flops(torch.cuda.get_device_name(0)) or H100_BF16_PEAK_FLOPS) if device == "cuda" else None)
 
@@ -188,8 +217,8 @@ def measure(workers: int, steps: int, repeats: int, device: str, overrides: list
     with tempfile.TemporaryDirectory() as root:
         run = validate(compose([f"run_root={root}", f"cluster.workers={workers}", *overrides]))
         materialize(run.data, run.train.seq_len, root, run.model.tokenizer)
-        results = spawn_workers(_worker, workers, overrides, steps, repeats, root,
-                                device, timeout_s=3600, backend="nccl" if device == "cuda" else "gloo")
+        results = spawn_workers(_worker, workers, overrides, steps, repeats, root, device, profile_steps,
+                                timeout_s=3600, backend="nccl" if device == "cuda" else "gloo")
     out = results[0]
     flops = out["flops_per_token"]
     best = {"bare": max(out["bare"]), "lowcomm": max(out["lowcomm"])}
@@ -200,7 +229,15 @@ def measure(workers: int, steps: int, repeats: int, device: str, overrides: list
             "all_bare": out["bare"], "all_lowcomm": out["lowcomm"], "peak_flops": peak_flops,
             "memory_bare": max(r["memory_bare"] for r in results),
             "memory_lowcomm": max(r["memory_lowcomm"] for r in results),
+            "profile": None if out["profile"] is None else Breakdown(**out["profile"]),
             **{key: out[key] for key in ("model", "optimizer", "parameters", "tokens_per_step", "flops_per_token")}}
+
+
+def profile_table(result: dict, workers: int) -> str:
+    """The profiled window of a :func:`measure` result as a table, with its MFU (6N) where the
+    peak is known: one worker's FLOPs per step (6 x parameters x its tokens) over its peak."""
+    flops_per_step = result["flops_per_token"].six_n * result["tokens_per_step"] / workers
+    return result["profile"].table(flops_per_step, result["peak_flops"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,12 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="peak FLOP/s of one worker for MFU (default on cuda: the GPU's dense bf16 peak by its "
                              f"name, else the H100's {H100_BF16_PEAK_FLOPS:.4g})")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timing, profile this many more of lowcomm's steps and print where their "
+                             "time goes, by kind (default 0: no profile)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (default: the quickstart's tiny model)")
     args = parser.parse_args(argv)
+    for name in ("workers", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} is at least 1, got {getattr(args, name)}")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps is 0 (no profile) or more, got {args.profile_steps}")
     if args.device == "cuda" and torch.cuda.device_count() < args.workers:
         parser.error(f"--device cuda needs one GPU per worker: {args.workers} workers, "
                      f"{torch.cuda.device_count()} GPUs visible")
-    result = measure(args.workers, args.steps, args.repeats, args.device, args.overrides, args.peak_flops)
+    result = measure(args.workers, args.steps, args.repeats, args.device, args.overrides, args.peak_flops,
+                     args.profile_steps)
     backend = "NCCL GPU" if args.device == "cuda" else "gloo CPU"
     print(f"throughput, {result['model']} ({result['parameters']:,} parameters), lowcomm optimizer "
           f"{result['optimizer']}, {args.workers} {backend} workers, {result['tokens_per_step']} tokens/step, "
@@ -238,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['memory_' + key]:>16,.0f}   {', '.join(f'{x:,.0f}' for x in result['all_' + key])}")
     bare, ours = result["bare"], result["lowcomm"]
     print(f"  ratio lowcomm / bare: {ours / bare:.3f}  (target >= 0.95 with optimizer=adamw_ddp)")
+    if result["profile"] is not None:
+        print("\n" + profile_table(result, args.workers))
     return 0
 
 
