@@ -18,7 +18,12 @@ loop with metering, schedule and logging; on CUDA its clock synchronises the dev
 loop is timed around the same steps. MFU is FLOPs per token x tokens/s over the peak FLOP/s of
 all workers (``--peak-flops`` per worker; on CUDA the GPU's dense bf16 peak by its name, else
 the H100's; none on CPU), with FLOPs per token counted both ways the field does
-(:class:`lowcomm.models.FlopsPerToken`): 6 x parameters, and OLMo-core's formula with attention. Peak memory is per worker: torch's peak allocation on CUDA, the peak resident set on CPU.
+(:class:`lowcomm.models.FlopsPerToken`): 6 x parameters, and OLMo-core's formula with attention.
+Peak memory is per worker: torch's peak allocation on CUDA, the peak resident set on CPU.
+
+``--profile-steps N`` then runs N more of lowcomm's steps, warm, under torch.profiler and prints
+where their time goes by kind (``profiles.py``): on a GPU its kernels and the device's idle, with
+the window's MFU; on the CPU its operators and the time outside them.
 """
 
 from __future__ import annotations
