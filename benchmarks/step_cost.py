@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     baseline = results["adamw_ddp"]["mean_s"]
     parameters = next(r["parameters"] for r in results.values() if "parameters" in r)
-    # a column for every kind some method spent time in, and the time outside them: each row sums to 100 %
+    # a column for every kind some method spent time in, and the time outside them: on the CPU each
+    # row sums to 100 %; on a GPU kernels on several streams (NCCL beside compute) may sum to more
     measured = [result["phases"] for result in results.values() if "phases" in result]
     columns = [kind for kind in KIND_ORDER if any(phases[kind] > 0 for phases in measured)]
     columns += [key for key in measured[0] if key not in KIND_ORDER]

@@ -29,6 +29,7 @@ the window's MFU; on the CPU its operators and the time outside them.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import sys
 import tempfile
@@ -180,7 +181,10 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_s
     # lowcomm logs a window every `steps` steps: the second one (steps+1 .. 2*steps) is warm
     data = open_data(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     bare, ours, bare_memory, our_memory = [], [], [], []
+    trainer = None
     for _ in range(repeats):
+        trainer = None  # the last repeat's Trainer is dropped: its memory is not the next loops'
+        gc.collect()
         _reset_peak_memory(device)
         bare.append(_bare_loop(baseline, data, steps, device,
                                getattr(run.optimizer, "bucket_cap_mb", baseline.optimizer.bucket_cap_mb)))

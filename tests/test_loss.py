@@ -39,6 +39,7 @@ def test_the_compiled_loss_is_the_eager_loss(dtype, reduction):
     eager = _value_and_gradient(cross_entropy, logits, targets, reduction)
     compiled = _value_and_gradient(compiled_cross_entropy(), logits, targets, reduction)
     assert counters["stats"]["unique_graphs"] >= 1, "the compiled loss ran eagerly"
+    assert not counters["graph_break"], f"the compiled loss broke its graph: {dict(counters['graph_break'])}"
     assert compiled[0].dtype == eager[0].dtype == torch.float32  # the loss is float32 whatever the logits
     assert compiled[1].dtype == eager[1].dtype == dtype
     # float32: the same reductions in another order; bf16: the gradient is rounded to bf16 at the end

@@ -31,7 +31,7 @@ def test_each_method_is_reported_as_soon_as_it_is_measured(capfd):
     # the phases: a column per kind some method ran and the time outside operators, each row 100 %
     header = next(line for line in out.splitlines() if line.startswith("| method |"))
     columns = [cell.strip() for cell in header.strip("|").split("|")][5:]
-    assert "DCT kernels" in columns and "elementwise" in columns and columns[-1] == "outside operators (Python, waits)"
+    assert "DCT kernels" in columns and "elementwise" in columns and columns[-1] == "outside operators (Python, autograd, waits)"
     for name in ("adamw_ddp", "demo"):
         row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
         shares = [float(cell.strip().rstrip("%")) for cell in row.strip("|").split("|")[5:]]
