@@ -17,27 +17,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
-from lowcomm.train.loop import compiled_cross_entropy, cross_entropy
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from lowcomm.train.loop import DeviceClock, compiled_cross_entropy, cross_entropy
 
 
 def _forward_backward(loss, logits: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """Seconds for one forward and backward of ``loss``, and the loss's value."""
+    """Seconds for one forward and backward of ``loss`` (on a GPU until its kernels are done),
+    and the loss's value."""
+    clock = DeviceClock(device)
     logits.grad = None
-    _sync(device)
-    started = time.perf_counter()
+    started = clock()
     value = loss(logits, targets)
     value.backward()
-    _sync(device)
-    return time.perf_counter() - started, float(value.detach())
+    return clock() - started, float(value.detach())
 
 
 def measure(batch: int, positions: int, vocabulary: int, repeats: int, device: torch.device,

@@ -22,8 +22,12 @@ in some torch versions, a plain scope in others: read by its name either way).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import torch
+
+from lowcomm.train.loop import DeviceClock
 
 FUSED = "fused (compiled)"  # torch.compile's generated kernels: Triton's on a GPU, C++ on the CPU
 # Names read by their beginning first: inductor names a Triton kernel after the operators it fused
@@ -77,14 +81,10 @@ def kind_of(name: str) -> str:
 
 def covered(intervals: Iterable[tuple[float, float]]) -> float:
     """The length of the union of ``(start, end)`` intervals: overlaps counted once."""
-    total, reach = 0.0, None
+    total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
+        total += max(end - max(start, reach), 0.0)  # what reaches past the union so far
+        reach = max(reach, end)
     return total
 
 
@@ -111,11 +111,14 @@ class Breakdown:
     def uncovered_label(self) -> str:
         return "device idle (waiting for the host)" if self.device == "cuda" else "outside operators (Python, autograd, waits)"
 
+    def seconds(self) -> dict[str, float]:
+        """Each kind's seconds, and the uncovered time's under its label."""
+        return {**self.kinds, self.uncovered_label: self.uncovered_s}
+
     def shares(self) -> dict[str, float]:
-        """Each kind's share of the window's wall time, and the uncovered time's (its label)."""
+        """:meth:`seconds` as shares of the window's wall time."""
         wall = self.wall_s or 1.0
-        return {**{kind: seconds / wall for kind, seconds in self.kinds.items()},
-                self.uncovered_label: self.uncovered_s / wall}
+        return {kind: seconds / wall for kind, seconds in self.seconds().items()}
 
     def table(self, flops_per_step: float | None = None, peak_flops: float | None = None) -> str:
         """The window as a markdown table, ms per step and share of the wall time, kinds with
@@ -127,10 +130,9 @@ class Breakdown:
                  f"{self.wall_s * per_step:.2f} ms/step wall, {self.busy_s * per_step:.2f} ms/step "
                  + ("of kernels (their union)" if self.device == "cuda" else "in operators"),
                  "", "| kind | ms/step | share of the step |", "|---|---:|---:|"]
-        for kind, share in self.shares().items():
-            seconds = self.kinds.get(kind, self.uncovered_s)
+        for kind, seconds in self.seconds().items():
             if seconds > 0:
-                lines.append(f"| {kind} | {seconds * per_step:.2f} | {share:.1%} |")
+                lines.append(f"| {kind} | {seconds * per_step:.2f} | {seconds / self.wall_s:.1%} |")
         if self.device == "cuda" and sum(self.kinds.values()) > self.busy_s * 1.001:
             lines.append(f"(kinds overlap by {(sum(self.kinds.values()) - self.busy_s) * per_step:.2f} ms/step: "
                          "kernels on several streams, as NCCL's beside compute)")
@@ -176,3 +178,18 @@ def breakdown(events, device: str, steps: int, wall_s: float, top: int = 5) -> B
     busy = covered(intervals) / 1e6 if on_gpu else sum(kinds.values())
     heaviest = sorted(seconds_by_name.items(), key=lambda item: -item[1])[:top]
     return Breakdown(device, steps, wall_s, kinds, busy, heaviest)
+
+
+def profile_window(work: Callable[[], object], steps: int, device: torch.device) -> Breakdown:
+    """``work`` (``steps`` steps of something) run once under torch.profiler, timed by the
+    device's clock (on a GPU its queue drained before and after), and its :class:`Breakdown`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    clock = DeviceClock(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    clock()  # work queued before the window is not the window's
+    with profile(activities=activities) as prof:
+        started = clock()
+        work()
+        wall = clock() - started
+    return breakdown(prof.events(), device.type, steps, wall)

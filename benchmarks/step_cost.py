@@ -15,7 +15,7 @@ synchronisation, for the outer-loop methods), the mean's ratio to AdamW-DDP's, a
 one extra cycle under torch.profiler as shares of its wall time, split as ``profiles.py`` splits
 a window: on the CPU each operator's own (``self``) time by kind, and the time outside operators;
 on a GPU each kernel's time by kind, and the GPU's idle. The kinds: matmul, attention, fused
-(Triton), DCT kernels (lowcomm's kernels of DeMo's block DCT: its encode with the top-k, its
+(compiled), DCT kernels (lowcomm's kernels of DeMo's block DCT: its encode with the top-k, its
 decode with the update), top-k/sort, scatter/gather, communication, copy/cast, elementwise (the
 rest); a column for each kind some method spent time in.
 
@@ -31,6 +31,7 @@ top-k, decode), and its block-DCT floors are benchmarks/demo_step.py's.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -40,12 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profiles import KIND_ORDER, breakdown  # noqa: E402  (a sibling script)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from profiles import KIND_ORDER, profile_window  # noqa: E402  (a sibling script)
 
 
 def _setup(name: str, blocks: int, device: torch.device):
@@ -131,10 +127,17 @@ def _step(model, optimizer, grads, bucket: torch.Tensor | None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _cycle(model, optimizer, grads, bucket: torch.Tensor | None, steps: int) -> None:
+    """One synchronisation cycle: ``steps`` steps."""
+    for _ in range(steps):
+        _step(model, optimizer, grads, bucket)
+
+
 def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, device_type: str) -> dict:  # noqa: ARG001
-    from torch.profiler import ProfilerActivity, profile
+    from lowcomm.train.loop import DeviceClock
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    clock = DeviceClock(device)  # on a GPU, a step's time is until its kernels are done
     results = {}
     began = time.perf_counter()
     for number, name in enumerate(names, 1):
@@ -146,24 +149,13 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
                   flush=True)
             continue
         bucket = _bucket(model, grads)
-        for _ in range(steps):  # warm-up cycle: state allocated, kernels chosen
-            _step(model, optimizer, grads, bucket)
+        _cycle(model, optimizer, grads, bucket, steps)  # warm-up: state allocated, kernels chosen
         times = []
         for _ in range(rounds * steps):
-            _sync(device)
-            started = time.perf_counter()
+            started = clock()
             _step(model, optimizer, grads, bucket)
-            _sync(device)
-            times.append(time.perf_counter() - started)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        _sync(device)
-        with profile(activities=activities) as prof:
-            profiled = time.perf_counter()
-            for _ in range(steps):
-                _step(model, optimizer, grads, bucket)
-            _sync(device)
-            profiled = time.perf_counter() - profiled
-        window = breakdown(prof.events(), device.type, steps, profiled)
+            times.append(clock() - started)
+        window = profile_window(functools.partial(_cycle, model, optimizer, grads, bucket, steps), steps, device)
         results[name] = {"mean_s": statistics.fmean(times), "slowest_s": max(times), "steps": steps,
                          "phases": window.shares(),
                          "parameters": sum(p.numel() for p in model.parameters())}

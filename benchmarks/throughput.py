@@ -42,7 +42,7 @@ from lowcomm.hardware import H100_BF16_PEAK_FLOPS, bf16_peak_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profiles import Breakdown, breakdown  # noqa: E402  (a sibling script)
+from profiles import Breakdown, profile_window  # noqa: E402  (a sibling script)
 
 _OPTIMIZER_KEYS = ("optimizer", "compression")  # overrides that pick lowcomm's optimizer, not the baseline's
 
@@ -142,20 +142,11 @@ def _profile(trainer, steps: int) -> dict:
     """``steps`` more of the warm Trainer's own steps (``Trainer.train_step``: compiled, buckets
     built, state allocated) under torch.profiler, each waiting for its loss as the loop does;
     their :class:`profiles.Breakdown`, as a dict (it crosses a process boundary)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = trainer.device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trainer.model.train()
-    _sync(device)
     torch.distributed.barrier()
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for step in range(steps):  # the run's first steps' batches again: the time does not depend on them
-            float(trainer.train_step(step))
-        _sync(device)
-        wall = time.perf_counter() - started
-    return vars(breakdown(prof.events(), device.type, steps, wall))
+    # the run's first steps' batches again: the time does not depend on them
+    window = profile_window(lambda: [float(trainer.train_step(step)) for step in range(steps)], steps, trainer.device)
+    return vars(window)
 
 
 def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_steps=0):
@@ -181,7 +172,6 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_s
     # lowcomm logs a window every `steps` steps: the second one (steps+1 .. 2*steps) is warm
     data = open_data(run.data, run.train.seq_len, run.run_root, run.model.tokenizer)
     bare, ours, bare_memory, our_memory = [], [], [], []
-    trainer = None
     for _ in range(repeats):
         trainer = None  # the last repeat's Trainer is dropped: its memory is not the next loops'
         gc.collect()
