@@ -91,6 +91,29 @@ def test_every_method_is_in_the_comm_table():
     assert in_table == set(STRATEGIES)
 
 
+@pytest.mark.parametrize(("marker", "color", "holder"), [
+    ("o", "olive", "adamw_ddp"),   # AdamW-DDP's marker
+    ("h", "C3", "demo"),           # DeMo's colour
+    ("h", "C13", "demo"),          # the default cycle has ten colours: C13 is drawn as C3
+    ("h", "NAVY", "eager_diloco"),  # colour names are case-insensitive
+])
+def test_register_refuses_a_marker_or_colour_already_taken(marker, color, holder):
+    from lowcomm.strategies.base import Display, register
+
+    adamw = STRATEGIES["adamw_ddp"]
+    taken = type("Taken", (adamw,), {"name": "taken", "display": Display("Taken", marker=marker, color=color),
+                                     "Config": type("TakenConfig", (adamw.Config,), {"config_name": "taken"})})
+    with pytest.raises(TypeError, match=rf"is {holder}'s"):
+        register(taken)
+    assert "taken" not in STRATEGIES
+    free = type("Free", (adamw,), {"name": "taken", "display": Display("Free", marker="h", color="olive"),
+                                   "Config": taken.Config})
+    try:
+        assert register(free) is free
+    finally:
+        STRATEGIES.pop("taken", None)
+
+
 def test_which_codecs_a_strategy_accepts_is_the_codecs_property():
     diloco, demo = STRATEGIES["diloco"], STRATEGIES["demo"]
     assert all(diloco.accepts_codec(codec) for codec in CODECS.values())
@@ -186,7 +209,7 @@ TOY_STRATEGY = '''
     class SignVoteStrategy(Strategy):
         name = "signvote"
         Config = SignVoteConfig
-        display = Display("Sign vote", marker="h", color="C10")
+        display = Display("Sign vote", marker="h", color="olive")
         quickstart = (Point("Sign vote", "optimizer.lr=1e-3"),)
         table1_tiny = quickstart
         comm_table = (Row("Sign vote (toy)"),)
@@ -282,7 +305,7 @@ def test_a_new_method_is_four_files(tmp_path):
     assert "validated tiny-signvote-w4-" in checks
     assert "refused ['optimizer.beta must be in [0, 1), got 2.0']" in checks
     assert "planned quickstart True" in checks and "planned table1_tiny True" in checks
-    assert "figures Sign vote h C10" in checks
+    assert "figures Sign vote h olive" in checks
 
     table = run(sys.executable, "-m", "lowcomm.cli.comm_table", "--model", "olmo_300m")
     row = next(line for line in table.splitlines() if "Sign vote (toy)" in line)

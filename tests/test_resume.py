@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from lowcomm.launch.local import launch_local
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
-from runs import point_id, quickstart_points, tiny_run
+from runs import point_id, quickstart_points, tiny_run, train_in_workers
 
 POINTS = quickstart_points()
 # every point in fp32, and each strategy's first point again with bf16 weights (train.param_dtype)
@@ -84,7 +83,9 @@ def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point, param_dty
                    "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2",
                    "train.log_every=1", "train.eval_every=3", "train.eval_instances=16", "train.checkpoint_every=3",
                    "train.keep_checkpoints=3", max_steps=6)
-    launch_local(run)
+    # each run's ranks are fresh processes (forked from a server that imported torch and OLMo
+    # alone): the resume starts from the checkpoint's files as a relaunched run does
+    train_in_workers(run)
     run_dir = RunDir(run.run_dir)
     final = run_dir.checkpoints / "step_000000006"
     reference = _final_state(final)
@@ -93,7 +94,7 @@ def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path, point, param_dty
     # killed after the step-3 checkpoint: the final one and the summary were never written
     shutil.rmtree(final)
     run_dir.summary.unlink()
-    launch_local(run)
+    train_in_workers(run)
 
     weights = {tensor.dtype for key, tensor in _model_state(reference).items() if tensor.is_floating_point()}
     assert weights == {torch.bfloat16 if param_dtype == "bf16" else torch.float32}

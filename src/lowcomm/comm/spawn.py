@@ -7,8 +7,8 @@ full training launcher: ``results = spawn_workers(fn, world_size, *args)`` calls
 the W return values in rank order. A worker's exception is re-raised here with its traceback.
 
 Workers are forked from a fork server, started at the first call, that has imported
-torch once (``PRELOAD``): a worker then starts in a tenth of a second instead of the two to four
-seconds a fresh interpreter spends importing torch, which is what made a test of a few
+torch once (``PRELOAD``): a worker then starts in a tenth of a second instead of the three to four
+seconds a fresh interpreter spends importing torch and OLMo, which is what made a test of a few
 milliseconds of collectives take seconds. Each worker still runs in a process of its own, with
 the caller's working directory, ``sys.path`` and environment as they are at the call.
 """
@@ -50,11 +50,15 @@ def _deserialize(blob: bytes):
     return torch.load(io.BytesIO(blob), weights_only=False)
 
 
-# What the fork server imports before it forks any worker: torch's own modules only. Not
-# lowcomm's (a module may read the environment when imported, and a worker has the caller's
-# environment of the moment), nor OLMo's (it imports pyarrow, whose allocator runs a thread of
-# its own, and a fork copies only the forking thread).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# What the fork server imports before it forks any worker: torch's own modules and OLMo's model,
+# the ~3.5 s a fresh interpreter spends before a worker can build a model (OLMo 1.8 s of it: its
+# package imports `datasets`, pandas and pyarrow). Not lowcomm's: a module may read the
+# environment when imported, and a worker has the caller's environment of the moment. OLMo's
+# import leaves one thread of pyarrow's beside the main one, idle, and a fork copies only the
+# forking thread: a worker must not use pyarrow (or `datasets`, whose config read the server's
+# environment), and none does; lm-eval runs in the caller's process. Importing these
+# initialises no CUDA (a forked worker could not use it).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "olmo.model"]
 
 
 class _Caller:

@@ -68,8 +68,26 @@ def register(cls: type[Strategy]) -> type[Strategy]:
                         f"strategy's name {cls.name!r} (configs/optimizer/{cls.name}.yaml holds its defaults)")
     if not cls.quickstart:
         raise TypeError(f"{cls.__name__} declares no quickstart run: every method is in make quickstart")
+    for other in STRATEGIES.values():
+        if other.display.marker == cls.display.marker:
+            raise TypeError(f"{cls.__name__}.display: marker {cls.display.marker!r} is {other.name}'s; every method "
+                            f"has its own (taken: {', '.join(repr(s.display.marker) for s in STRATEGIES.values())})")
+        if _colour_key(other.display.color) == _colour_key(cls.display.color):
+            raise TypeError(f"{cls.__name__}.display: colour {cls.display.color!r} is {other.name}'s (drawn as its "
+                            f"{other.display.color!r}); every method has its own (taken: "
+                            f"{', '.join(repr(s.display.color) for s in STRATEGIES.values())})")
     STRATEGIES[cls.name] = cls
     return cls
+
+
+def _colour_key(color: str) -> str:
+    """A colour as matplotlib draws it, for telling two apart without importing matplotlib here:
+    ``"C<n>"`` is the n-th colour of the default cycle of ten, so ``C10`` is ``C0``; names are
+    case-insensitive."""
+    color = color.strip().lower()
+    if color[:1] == "c" and color[1:].isdigit():
+        return f"c{int(color[1:]) % 10}"
+    return color
 
 
 @dataclass(frozen=True)
