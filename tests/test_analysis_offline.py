@@ -14,9 +14,8 @@ import yaml
 from lowcomm.cli.report import loss_vs_mb_main, table1_main
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
-from lowcomm.launch.local import launch_local
 from lowcomm.report.select import select_by_sweep
-from runs import TINY
+from runs import TINY, train_in_workers
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def test_a_copied_sweep_builds_its_table_and_figures_without_its_data(tmp_path, 
                                      "baseline": "AdamW-DDP"}))
     cluster_root = tmp_path / "cluster_runs"
     for job in JOBS:
-        launch_local(validate(compose([*base, *job, f"run_root={cluster_root}"])))
+        train_in_workers(validate(compose([*base, *job, f"run_root={cluster_root}"])))
 
     laptop_root = tmp_path / "laptop_runs"
     shutil.copytree(cluster_root, laptop_root)

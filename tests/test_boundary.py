@@ -15,11 +15,10 @@ from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate_optimizer
 from lowcomm.config.compose import compose
-from lowcomm.launch.local import launch_local
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 
 def _run(agreement: BoundaryAgreement, plan: dict[int, tuple[bool, float]], due: set[int] = frozenset(),
@@ -113,7 +112,7 @@ def test_a_late_run_logs_the_boundaries_it_logs_in_order_with_their_own_losses(t
     for every in (0, 1):
         run = tiny_run(tmp_path / f"every{every}", "optimizer=eager_diloco", "optimizer.sync_every=2",
                        "train.log_every=2", "train.eval_every=3", f"train.checkpoint_every={every}", max_steps=6)
-        launch_local(run)
+        train_in_workers(run)
         records = read_metrics(run.run_dir / "metrics.jsonl")
         assert [r["step"] for r in records] == [2, 3, 4, 6]
         assert [r["step"] for r in records if "train/loss" in r] == [2, 4, 6]

@@ -17,7 +17,7 @@ import torch
 from lowcomm.launch.local import WorkerFailure, launch_local
 from lowcomm.rundir import CheckpointError, RunDir, verify_files
 from lowcomm.train.checkpoint import _atomic_save
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def finished_run(tmp_path_factory):
     """A tiny run with checkpoints at steps 2 and 4, kept as a pristine copy."""
     root = tmp_path_factory.mktemp("integrity")
     run = tiny_run(root, "train.checkpoint_every=2", "train.keep_checkpoints=3", max_steps=4)
-    launch_local(run)
+    train_in_workers(run)
     pristine = root / "pristine"
     shutil.copytree(run.run_dir, pristine)
     return run, pristine
@@ -77,7 +77,7 @@ def test_damage_is_named_and_the_previous_checkpoint_is_used(finished_run, capfd
     else:
         (newest / "manifest.json").write_text("{")
     capfd.readouterr()
-    launch_local(run)
+    train_in_workers(run)
     text = "".join(capfd.readouterr())
     assert named in text and str(newest) in text
     assert text.count("checkpoint step_000000004 unusable") == 1  # said once, not by every rank

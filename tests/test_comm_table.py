@@ -8,11 +8,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from lowcomm.cli.comm_table import main
-from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.report.comm_table import build_table
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 
 def _model_group(name: str) -> dict:
@@ -114,7 +113,7 @@ def test_bf16_gradient_wire_is_the_default_and_fp32_doubles_the_metered_bytes(tm
     for wire, element in ((None, 2), ("float32", 4)):
         extra = [f"optimizer.wire_dtype={wire}"] if wire else []
         run = tiny_run(tmp_path / str(wire), *extra, "train.checkpoint_every=0", max_steps=2)
-        launch_local(run)
+        train_in_workers(run)
         n_params = n_params or count_parameters(build_model(run.model, "meta"))
         records = read_metrics(run.run_dir / "metrics.jsonl")
         assert [r["comm/payload_bytes"] for r in records] == [element * n_params] * 2

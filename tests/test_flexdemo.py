@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from dct_reference import chunk_by_search
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
-from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.optim.flexdemo import hybrid_groups, row_shard
 from lowcomm.strategies.demo import DeMoConfig, DeMoStrategy
@@ -32,7 +31,7 @@ from lowcomm.strategies.flexdemo import FlexDeMoConfig, FlexDeMoStrategy
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.loop import next_token_loss
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD, STEPS, MICRO_BATCHES, CHECKPOINT_AT = 4, 4, 2, 2
@@ -310,7 +309,7 @@ def test_training_run_logs_intra_and_inter_bytes_and_a_full_model(tmp_path):
     run = tiny_run(tmp_path, "optimizer=flexdemo", "optimizer.shard_group_size=2", "optimizer.compression_chunk=32",
                    "optimizer.compression_topk=8", "train.checkpoint_every=2", "train.eval_every=1", "train.global_batch_size=16", workers=WORLD,
                    max_steps=2)
-    launch_local(run)
+    train_in_workers(run)
     micro_batches = run.train.global_batch_size // (WORLD * run.train.micro_batch_size)
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in records] == [1, 2]

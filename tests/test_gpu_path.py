@@ -27,7 +27,7 @@ from lowcomm.rundir import RunDir
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.loop import DeviceClock, Trainer, next_token_loss, pick_device, validation_batches
-from runs import at_world_size_one, point_id, quickstart_points, tiny_run
+from runs import at_world_size_one, point_id, quickstart_points, tiny_run, train_in_workers
 
 CUDA_ONLY = "cuda:gloo"  # like "nccl": the group's only backend is registered for cuda
 QUICKSTART = quickstart_points()
@@ -167,7 +167,7 @@ def test_checkpoint_size_estimate_matches_the_files_and_replicated_state_is_writ
 ):
     run = tiny_run(tmp_path, f"optimizer={optimizer}", *overrides, "train.checkpoint_every=1",
                    "train.keep_checkpoints=2", workers=2, max_steps=2)
-    launch_local(run)
+    train_in_workers(run)
     directory = run.run_dir / "checkpoints" / "step_000000001"
     estimate = checkpoint_estimate(run)
     written_once = _file_bytes(directory, "model.pt", "optim.pt")
@@ -189,7 +189,7 @@ def test_checkpoint_size_estimate_matches_the_files_and_replicated_state_is_writ
     uninterrupted = torch.load(final / "model.pt")
     shutil.rmtree(final)
     (run.run_dir / "summary.json").unlink()
-    launch_local(run)
+    train_in_workers(run)
     resumed = torch.load(final / "model.pt")
     assert all(torch.equal(resumed[name], tensor) for name, tensor in uninterrupted.items())
 
@@ -234,14 +234,13 @@ def test_averages_use_the_backends_avg_without_a_divided_copy():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", sorted(QUICKSTART), ids=point_id)
-def test_every_optimizer_trains_at_world_size_one(tmp_path, point):
+def test_every_optimizer_trains_at_world_size_one(trained_run, point):
     """One GPU is how a GPU is tried first: a process group of one rank (NCCL there, gloo here),
     whose collectives are local copies. Every registered optimizer must train and account for
     its validation there; FlexDeMo's sharding group of one rank is a real group (FSDP's device mesh is
     built from it; it was None before, and FlexDeMo died in ``DeviceMesh.from_group``). Found on
     an H100 with the quickstart's optimizers at world size 1."""
-    run = tiny_run(tmp_path, *at_world_size_one(QUICKSTART[point]), workers=1, max_steps=3)
-    launch_local(run)
+    run = trained_run(*at_world_size_one(QUICKSTART[point]), workers=1, max_steps=3)
     summary = RunDir(run.run_dir).read_summary()
     assert summary["steps"] == 3 and summary["world_size"] == 1
     assert math.isfinite(summary["final_val_loss"])

@@ -11,10 +11,9 @@ import torch
 from lowcomm.compress.registry import build_codec
 from lowcomm.config import ConfigError, validate
 from lowcomm.config.compose import compose
-from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 
 def test_error_feedback_without_a_codec_is_rejected_with_the_fix():
@@ -27,7 +26,7 @@ def test_error_feedback_without_a_codec_is_rejected_with_the_fix():
 def test_two_bit_muloco_workers_agree_after_a_sync_and_send_the_quantised_payloads(tmp_path):
     run = tiny_run(tmp_path, "optimizer=muloco", "optimizer.sync_every=2", "compression=quantize",
                    "compression.bits=2", "train.checkpoint_every=0", workers=2, max_steps=2)
-    launch_local(run)
+    train_in_workers(run)
     checkpoint = run.run_dir / "checkpoints" / "step_000000002"  # the final step is always saved
     model_state = torch.load(checkpoint / "model.pt")
     ranks = [torch.load(checkpoint / f"optim_rank{rank}.pt") for rank in range(2)]

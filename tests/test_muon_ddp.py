@@ -13,14 +13,13 @@ import torch
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config.compose import compose
-from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.optim.grouping import CombinedOptimizer, MuonArgs, muon_adamw, split_muon_adamw
 from lowcomm.optim.muon import BatchedMuon
 from lowcomm.strategies.muon_ddp import MuonDDP, MuonDDPConfig
 from lowcomm.train.metrics import read_metrics
 from lowcomm.train.schedule import apply_lr
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 BLOCK_MATRICES = ("att_proj", "attn_out", "ff_proj", "ff_out")
 
@@ -194,13 +193,13 @@ def test_ddp_workers_stay_identical_and_match_one_process_on_the_whole_batch():
 def test_a_resumed_run_ends_bit_identical(tmp_path):
     run = tiny_run(tmp_path, "optimizer=muon_ddp", "optimizer.lr=0.003", "train.checkpoint_every=2",
                    workers=2, max_steps=4)
-    launch_local(run)
+    train_in_workers(run)
     final = run.run_dir / "checkpoints" / "step_000000004"
     reference = torch.load(final / "model.pt")
     reference_metrics = read_metrics(run.run_dir / "metrics.jsonl")
     shutil.rmtree(final)
     (run.run_dir / "summary.json").unlink()  # as if killed before the end: a finished run is not rerun
-    launch_local(run)  # resumes from step 2 (Muon momentum and AdamW moments from optim.pt)
+    train_in_workers(run)  # resumes from step 2 (Muon momentum and AdamW moments from optim.pt)
     resumed = torch.load(final / "model.pt")
     for name, tensor in reference.items():
         assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"

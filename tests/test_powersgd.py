@@ -18,13 +18,12 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
-from lowcomm.launch.local import launch_local
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.optim.powersgd import PowerSGDArgs, PowerSGDReducer, batched_mm, orthogonalize_
 from lowcomm.strategies.powersgd import PowerSGD, PowerSGDConfig
 from lowcomm.train.loop import next_token_loss
 from lowcomm.train.metrics import read_metrics
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 F64 = torch.float64
 WORLD = 2
@@ -300,7 +299,7 @@ def test_w4_run_meters_the_analytic_bytes_and_resumes_exactly(tmp_path):
     rank, warmup = 16, 1
     run = tiny_run(tmp_path, "optimizer=powersgd", f"optimizer.matrix_approximation_rank={rank}",
                    f"optimizer.start_powerSGD_iter={warmup}", "train.checkpoint_every=2", workers=4, max_steps=4)
-    launch_local(run)
+    train_in_workers(run)
     dense = 4 * sum(p.numel() for p in build_model(ModelSpec(), "meta").parameters())
     compressed = _tiny_payload_bytes(rank, 2.0)
     # At rank 16 attn_out (64 x 64) sits on the boundary ((64 + 64) * 16 * 2 == 64 * 64): sent whole.
@@ -316,7 +315,7 @@ def test_w4_run_meters_the_analytic_bytes_and_resumes_exactly(tmp_path):
     reference = torch.load(final / "model.pt")
     shutil.rmtree(final)
     (run.run_dir / "summary.json").unlink()  # as if killed before the end: a finished run is not rerun
-    launch_local(run)  # resumes from step 2, with the error buffers and warm-start Qs of step 2
+    train_in_workers(run)  # resumes from step 2, with the error buffers and warm-start Qs of step 2
     resumed = torch.load(final / "model.pt")
     for name, tensor in reference.items():
         assert torch.equal(tensor, resumed[name]), f"{name} differs after resume"

@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from lowcomm.cli.report import curves_main, loss_vs_mb_main, table1_main, wallclock_main
-from lowcomm.launch.local import launch_local
 from lowcomm.report.evals import Score, task_score
 from lowcomm.report.figures import plot_loss_curves, plot_loss_vs_mb
 from lowcomm.report.paper import load_paper_table1, match_paper_row, paper_table1_path
@@ -27,7 +26,7 @@ from lowcomm.report.pareto import loss_mb_points, pareto_front, pareto_runs
 from lowcomm.report.runs import RunRecord, distinct_labels, load_run
 from lowcomm.report.select import select_by_globs, select_by_sweep
 from lowcomm.report.table1 import build_table1
-from runs import SMALL_SYNTHETIC, TINY, tiny_run
+from runs import SMALL_SYNTHETIC, TINY, tiny_run, train_in_workers
 
 WORKERS, STEPS = 2, 4
 ADAMW = ["optimizer=adamw_ddp", "label=AdamW-DDP"]
@@ -77,7 +76,7 @@ def run_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("report_runs")
     for overrides in (ADAMW, DILOCO):
         run = tiny_run(root, *overrides, *RUN_SETTINGS, workers=WORKERS, max_steps=STEPS)
-        launch_local(run)
+        train_in_workers(run)
     return root
 
 

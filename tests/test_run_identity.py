@@ -9,7 +9,7 @@ import pytest
 from lowcomm.config import ConfigError
 from lowcomm.launch.local import RESUME_CONFIG, launch_local, prepare_run_dir
 from lowcomm.rundir import RunDir
-from runs import tiny_run
+from runs import tiny_run, train_in_workers
 
 
 def test_a_changed_config_under_an_explicit_run_name_is_refused_naming_the_changes(tmp_path):
@@ -31,7 +31,7 @@ def test_a_changed_config_under_an_explicit_run_name_is_refused_naming_the_chang
 def test_a_finished_run_under_the_run_name_is_no_answer_for_a_changed_config(tmp_path, capsys):
     """Before: "mine is complete ...; nothing to do" and exit 0, for a config never trained."""
     first = tiny_run(tmp_path, "run_name=mine", "optimizer.lr=0.0004", workers=1, max_steps=2)
-    launch_local(first)
+    train_in_workers(first)
     assert RunDir(first.run_dir).summary.is_file()
     with pytest.raises(ConfigError, match=r"holds another run \(run_name=mine\); this config changes optimizer.lr: "
                                           r"0.0004 -> 0.1"):

@@ -31,14 +31,13 @@ from omegaconf import OmegaConf
 from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.e3m0 import E3M0
-from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
 from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
 from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs, fragment_params
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCoConfig, StreamingDiLoCoStrategy
 from lowcomm.train.metrics import read_metrics
-from runs import kill_resume_and_compare, tiny_run
+from runs import kill_resume_and_compare, tiny_run, train_in_workers
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -266,7 +265,7 @@ def test_streaming_peak_is_below_diloco_at_the_same_amortised_bytes(tmp_path):
                          "optimizer.quantization=none", *common, max_steps=8)
     summaries = {}
     for name, run in (("diloco", diloco), ("streaming", streaming)):
-        launch_local(run)
+        train_in_workers(run)
         summaries[name] = json.loads((run.run_dir / "summary.json").read_text())
     model = build_model(diloco.model, "meta")
     numel = sum(p.numel() for p in model.parameters())

@@ -18,16 +18,15 @@ from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model, count_parameters
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, as_in_a_terminal, tiny_run
+from runs import TINY, as_in_a_terminal, tiny_run, train_in_workers
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.slow
-def test_adamw_ddp_payload_is_every_gradient_element_and_tx_rx_follow_the_ring(tmp_path):
+def test_adamw_ddp_payload_is_every_gradient_element_and_tx_rx_follow_the_ring(trained_run):
     world = 4
-    run = tiny_run(tmp_path, "train.checkpoint_every=0", workers=world, max_steps=3)
-    launch_local(run)
+    run = trained_run("train.checkpoint_every=0", workers=world, max_steps=3)
     n_params = count_parameters(build_model(run.model, "meta"))
     records = read_metrics(run.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -96,20 +95,20 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_the_previous_complete_one_is_used(tmp_path, capfd):
     run = tiny_run(tmp_path, "train.checkpoint_every=2", "train.keep_checkpoints=3", max_steps=4)
-    launch_local(run)
+    train_in_workers(run)
     newest = run.run_dir / "checkpoints" / "step_000000004"
     with (newest / "model.pt").open("r+b") as handle:
         handle.truncate(100)
     (run.run_dir / "summary.json").unlink()  # as if killed before the end: a finished run is not rerun
     capfd.readouterr()
-    launch_local(run)
+    train_in_workers(run)
     text = "".join(capfd.readouterr())
     assert f"{newest / 'model.pt'} is truncated or altered" in text
     assert "resuming from step_000000002" in text
 
     (newest / "rank1.pt").unlink()  # the re-run wrote step 4 again; now a rank's file goes missing
     (run.run_dir / "summary.json").unlink()
-    launch_local(run)
+    train_in_workers(run)
     text = "".join(capfd.readouterr())
     assert f"{newest / 'rank1.pt'} is missing" in text
     assert "resuming from step_000000002" in text
@@ -117,7 +116,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_complete_one_is_used(tmp
     # killed after the final checkpoint but before summary.json: a rerun evaluates and summarises
     summary = json.loads((run.run_dir / "summary.json").read_text())
     (run.run_dir / "summary.json").unlink()
-    launch_local(run)
+    train_in_workers(run)
     assert "resuming from step_000000004" in "".join(capfd.readouterr())
     rerun = json.loads((run.run_dir / "summary.json").read_text())
     assert rerun["final_val_loss"] == summary["final_val_loss"] and rerun["steps"] == 4
@@ -126,7 +125,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_complete_one_is_used(tmp
 @pytest.mark.slow
 def test_wandb_offline_writes_a_local_run(tmp_path):
     run = tiny_run(tmp_path, "wandb.mode=offline", "train.checkpoint_every=0", max_steps=2)
-    launch_local(run)
+    train_in_workers(run)
     offline_runs = list((run.run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
 
@@ -169,7 +168,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_says_where_in_one_line(tmp_path
 @pytest.mark.slow
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capfd):
     run = tiny_run(tmp_path, max_steps=3)
-    launch_local(run)
+    train_in_workers(run)
     files = {name: (run.run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
     capfd.readouterr()
 
@@ -230,7 +229,7 @@ def test_the_launcher_refuses_to_resume_on_changed_data(tmp_path):
     from lowcomm.data.memmap import DataError
 
     run = tiny_run(tmp_path, "train.checkpoint_every=2", max_steps=2)
-    launch_local(run)
+    train_in_workers(run)
     (run.run_dir / "summary.json").unlink()  # as if killed before the end
     train_file = next((tmp_path / "data").glob("synthetic-*/train.bin"))
     with train_file.open("r+b") as handle:
@@ -250,7 +249,7 @@ def test_a_compiled_model_trains_as_the_eager_one_and_its_checkpoint_keys_are_th
             for setting in ("false", "true")}
     assert runs["false"].run_name == runs["true"].run_name  # how it runs, not what it trains
     for run in runs.values():
-        launch_local(run)
+        train_in_workers(run)
     losses = {setting: [r["train/loss"] for r in read_metrics(run.run_dir / "metrics.jsonl")]
               for setting, run in runs.items()}
     assert len(losses["true"]) == 3
