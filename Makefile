@@ -31,9 +31,10 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
-# The suite without multi-process end-to-end runs and the local SLURM: a minute, for the edit loop.
+# The suite without multi-process end-to-end runs and the local SLURM, for the edit loop (within
+# 90 s on two cores): its tests are short and independent, so they go to the workers one by one.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not slurm" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load) $(PYTEST_ARGS)
 
 # Style, and the layer contract in pyproject.toml (which part of lowcomm may import which).
 lint: $(STAMP)

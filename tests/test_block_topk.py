@@ -245,6 +245,7 @@ def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_failed_build_says_why_once_and_the_torch_path_runs(tmp_path):
     """No usable compiler: one line on stderr with the end of the builder's output, all of it in
     build-error.log, then the same selection by the torch rounds."""
@@ -268,6 +269,7 @@ print(cpu_kernels.available(), index[0].tolist(), cpu_kernels.build_directory())
     assert "no-such-compiler" in warnings[0] and "no-such-compiler" in log.read_text()
 
 
+@pytest.mark.slow
 def test_the_switch_turns_the_kernels_off_and_is_checked(tmp_path):
     code = "from lowcomm.compress import cpu_kernels; print(cpu_kernels.available())"
     off = _python(code, tmp_path, LOWCOMM_CPU_KERNELS="0")

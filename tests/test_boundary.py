@@ -78,6 +78,7 @@ def _two_ranks(rank: int, world: int) -> dict:  # noqa: ARG001
     return {"left": left, "read": read, "mean": mean.mean_loss, "val": mean.val_loss}
 
 
+@pytest.mark.slow
 def test_late_agreement_leaves_every_rank_at_the_same_boundary_with_the_same_verdict():
     results = spawn_workers(_two_ranks, 2)
     assert results[0] == results[1]

@@ -45,6 +45,7 @@ def _flip_bytes(path, count=64):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_the_manifest_records_every_files_size_and_hash(finished_run):
     run, _ = finished_run
     directory = RunDir(run.run_dir).checkpoints / "step_000000004"

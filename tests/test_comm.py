@@ -195,6 +195,7 @@ def _computes_while_in_flight(rank: int, world_size: int) -> tuple[float, float,
     return in_flight, comm.meter.take_in_flight_s(), out[::4].tolist()
 
 
+@pytest.mark.slow
 def test_an_async_collective_is_timed_from_its_start_to_its_wait():
     for in_flight, blocking, gathered in spawn_workers(_computes_while_in_flight, 2):
         assert 0.2 <= in_flight < 2.0

@@ -63,6 +63,7 @@ def assert_suggested_keys_exist(message: str) -> None:
 # ----------------------------------------------------------------------------- the vocabulary
 
 
+@pytest.mark.slow
 def test_an_id_out_of_the_vocabulary_near_the_end_of_a_file_is_refused_before_spawning(tmp_path, capsys):
     """Today: after spawning, `IndexError: index out of range in self`, two tracebacks."""
     from lowcomm.cli.train import main
@@ -89,6 +90,7 @@ def test_an_id_out_of_the_vocabulary_near_the_end_of_a_file_is_refused_before_sp
     assert_suggested_keys_exist(err)
 
 
+@pytest.mark.slow
 def test_ids_between_the_vocabulary_and_the_padded_embedding_are_refused(tmp_path):
     """Today: id 300 of the tiny model (vocab 257, embedding 384) trains silently."""
     train, val = tmp_path / "train.bin", tmp_path / "val.bin"
@@ -221,6 +223,7 @@ def test_a_rewrite_in_place_at_a_quarter_of_a_file_stops_a_resume(tmp_path):
         check_unchanged(run_dir, [tokens_path], resuming=True)
 
 
+@pytest.mark.slow
 def test_the_scan_is_cached_per_file_and_redone_when_the_file_changes(tmp_path):
     from lowcomm.config.data_checks import check_run_data, scan_cache_dir
 

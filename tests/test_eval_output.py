@@ -37,6 +37,7 @@ def cache_files(run: Path, step: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- chance level
+@pytest.mark.slow
 def test_chance_level_is_the_mean_of_one_over_the_choices_of_the_documents_scored():
     tasks = load_tasks(resolve_tasks(None))
     # Counted by hand in the shipped ARC-Easy validation set: the first 17 questions have 4

@@ -339,6 +339,7 @@ def test_the_metered_collectives_implement_fsdps_interfaces(ours, interface):
         assert found == expected, f"{ours}.{name}"
 
 
+@pytest.mark.slow
 def test_no_process_imports_fsdp_before_a_run_shards():
     """The launcher's and a worker's imports leave FSDP and DTensor out (half a second of every
     process's start); FlexDeMo imports them when it builds."""

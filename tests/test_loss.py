@@ -27,6 +27,7 @@ def _value_and_gradient(loss, logits: torch.Tensor, targets: torch.Tensor, reduc
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_the_compiled_loss_is_the_eager_loss(dtype, reduction):
     """Value and gradient, for bf16 logits (autocast's) and float32 ones, for the training mean
     and validation's sum. Dynamo is reset and its graph count read, so that a silent fallback to

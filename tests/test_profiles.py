@@ -200,6 +200,7 @@ def test_a_real_cpu_profile_splits_its_operator_time_without_losing_or_counting_
     assert "DeMo.topk" not in dict(window.top)
 
 
+@pytest.mark.slow
 def test_a_compiled_region_on_the_cpu_is_fused_work_and_its_wrappers_are_not():
     """torch.compile on the CPU: inductor's C++ kernels run inside its ``## Call CompiledFxGraph``
     scope, whose own time is the fused work; dynamo's guards and wrappers around it are not."""

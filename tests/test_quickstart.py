@@ -15,6 +15,7 @@ from lowcomm.config.sweep import load_sweep
 from runs import micro_sweep_overrides
 
 
+@pytest.mark.slow
 def test_every_quickstart_run_validates_with_a_distinct_run_name():
     sweep = load_sweep("quickstart")
     runs = [validate(compose(job)) for job in sweep.jobs]

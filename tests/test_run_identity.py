@@ -28,6 +28,7 @@ def test_a_changed_config_under_an_explicit_run_name_is_refused_naming_the_chang
         prepare_run_dir(other)
 
 
+@pytest.mark.slow
 def test_a_finished_run_under_the_run_name_is_no_answer_for_a_changed_config(tmp_path, capsys):
     """Before: "mine is complete ...; nothing to do" and exit 0, for a config never trained."""
     first = tiny_run(tmp_path, "run_name=mine", "optimizer.lr=0.0004", workers=1, max_steps=2)

@@ -35,6 +35,7 @@ def _fail(rank: int, world_size: int) -> None:
         raise ValueError("rank 1 refuses")
 
 
+@pytest.mark.slow
 def test_each_call_sees_the_callers_environment_directory_and_path_of_that_moment(tmp_path, monkeypatch):
     first = spawn_workers(_where, 2)  # starts the fork server, if no test did before
     monkeypatch.setenv("LOWCOMM_SPAWN_TEST", "set after the server started")

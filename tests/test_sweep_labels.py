@@ -33,6 +33,7 @@ FIVE_JOBS = """\
     """
 
 
+@pytest.mark.slow
 def test_jobs_are_labelled_by_what_varies(tmp_path):
     """Before: five jobs labelled 'demo', 'demo', 'demo', 'demo', 'adamw_ddp'."""
     sweep = _sweep(tmp_path, FIVE_JOBS)
@@ -40,6 +41,7 @@ def test_jobs_are_labelled_by_what_varies(tmp_path):
     assert choose_baseline(sweep, plan_sweep(sweep, check_data_files=False)) == "AdamW-DDP"
 
 
+@pytest.mark.slow
 def test_a_setting_beyond_the_method_name_is_shown_and_seeds_are_not(tmp_path):
     sweep = _sweep(tmp_path, """\
         base: [experiment=quickstart]
@@ -86,6 +88,7 @@ def test_two_different_jobs_with_one_label_are_refused_before_anything_runs(tmp_
             """)
 
 
+@pytest.mark.slow
 def test_the_baseline_must_be_a_label_and_is_inferred_only_when_unambiguous(tmp_path):
     sweep = _sweep(tmp_path, FIVE_JOBS)
     planned = plan_sweep(sweep, check_data_files=False)
@@ -99,6 +102,7 @@ def test_the_baseline_must_be_a_label_and_is_inferred_only_when_unambiguous(tmp_
         choose_baseline(demo_only, plan_sweep(demo_only, check_data_files=False))
 
 
+@pytest.mark.slow
 def test_every_shipped_sweep_labels_its_jobs_uniquely():
     from lowcomm.paths import repo_root
 
@@ -109,6 +113,7 @@ def test_every_shipped_sweep_labels_its_jobs_uniquely():
         assert len(set(zip(labels, trains, strict=True))) == len(set(trains)) == len(set(labels)), path.name
 
 
+@pytest.mark.slow
 def test_reports_label_runs_as_the_sweep_did(tmp_path):
     """The label a sweep gives a job is written into its config, which the reports read."""
     sweep = _sweep(tmp_path, FIVE_JOBS)
@@ -140,6 +145,7 @@ def test_a_misspelt_sweep_name_gets_a_did_you_mean(capsys):
     assert "no sweep 'table1-1b' (did you mean table1_1b?)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_status_of_a_local_sweep_shows_labels_and_validation_loss_without_a_slurm_hint(tmp_path, capsys):
     """Before: 'queue not read (...)' for a sweep that never used SLURM, every started run
     'not submitted', and the training loss where the tables show the validation loss."""

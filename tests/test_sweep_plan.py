@@ -29,7 +29,7 @@ from runs import SMALL_SYNTHETIC, TINY, slurm_job_id
 # the cluster's data, as the README gives it: the dry run needs no file of it here
 DATA = ["data.paths=[/scratch/dolma/train/*.npy]", "data.val_paths=[/scratch/dolma/val/*.npy]"]
 SLURM_64GPU_SWEEPS = sorted(path.stem for path in (repo_root() / "sweeps").glob("*.yaml")
-                            if "experiment=quickstart" not in load_sweep(path.stem).base)
+                            if "experiment=quickstart" not in load_sweep(path.stem, labelled=False).base)
 OLMO_1B_PARAMETERS = 1_176_764_416
 
 
@@ -100,6 +100,7 @@ def test_the_time_limit_follows_the_jobs_size_with_a_margin(tmp_path):
     assert plan.run.run_name == _run("optimizer=demo", run_root=tmp_path).run_name  # not part of the name
 
 
+@pytest.mark.slow
 def test_a_short_job_asks_for_a_short_time_and_says_why(tmp_path, capsys):
     # the 300M ablations: 20 tokens per parameter, 8 minutes on 64 GPUs
     code, out, _ = _submit(capsys, "demo_momentum_beta", "--dry-run", *DATA, f"run_root={tmp_path}", "--only", "1")
@@ -114,6 +115,7 @@ def test_a_short_job_asks_for_a_short_time_and_says_why(tmp_path, capsys):
     assert "24:00:00" not in out
 
 
+@pytest.mark.slow
 def test_a_job_longer_than_the_profiles_limit_is_capped_and_resumes_across_requeues(tmp_path, capsys):
     plan = plan_job(_run("optimizer=demo", "train.max_steps=80000", run_root=tmp_path))
     assert plan.capped and plan.time_limit_min == 24 * 60
@@ -134,6 +136,7 @@ def test_a_job_longer_than_the_profiles_limit_is_capped_and_resumes_across_reque
 # ---------------------------------------------------------------------------- table and totals
 
 
+@pytest.mark.slow
 def test_the_plan_totals_gpu_hours_checkpoint_time_and_scratch_per_job_and_for_the_sweep(tmp_path, capsys):
     code, out, _ = _submit(capsys, "table1_1b", "--dry-run", *DATA, f"run_root={tmp_path}", "--only", "1,11")
     assert code == 0
@@ -165,6 +168,7 @@ def test_the_plan_totals_gpu_hours_checkpoint_time_and_scratch_per_job_and_for_t
 # ------------------------------------------------------------------------------- --show-script
 
 
+@pytest.mark.slow
 def test_show_script_prints_the_batch_script_and_srun_line_submitit_would_submit(tmp_path, capsys):
     code, out, _ = _submit(capsys, "table1_1b", "--show-script", *DATA, f"run_root={tmp_path / 'runs'}",
                             "--only", "AdamW-DDP")
@@ -197,6 +201,7 @@ def test_the_shown_script_is_the_one_the_executor_renders(tmp_path):
 
 
 @pytest.mark.parametrize("only", [["12"], ["0"], ["DeMo s=64 k=33"], ["1", "13"]])
+@pytest.mark.slow
 def test_an_unknown_job_in_only_is_refused_naming_the_valid_ones_before_anything(tmp_path, capsys, only):
     argv = ["table1_1b", "--dry-run", *DATA, f"run_root={tmp_path / 'runs'}"]
     for item in only:
@@ -214,6 +219,7 @@ def test_an_unknown_job_in_only_is_refused_naming_the_valid_ones_before_anything
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_only_takes_numbers_and_labels_repeated_or_comma_separated(tmp_path, capsys):
     code, out, _ = _submit(capsys, "table1_1b", "--dry-run", *DATA, f"run_root={tmp_path}",
                             "--only", "11,DeMo s=128 k=4", "--only", "2")
@@ -234,6 +240,7 @@ def test_only_takes_numbers_and_labels_repeated_or_comma_separated(tmp_path, cap
     ("/scratch/${USER}/lowcomm", "run_root: ${USER} names no config key; for the environment variable write "
                                  "${oc.env:USER}"),
 ])
+@pytest.mark.slow
 def test_an_unset_environment_variable_in_a_path_is_a_config_error(monkeypatch, capsys, run_root, message):
     monkeypatch.delenv("USER", raising=False)
 

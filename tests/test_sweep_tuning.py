@@ -191,6 +191,7 @@ def stand_in(monkeypatch):
     return launched
 
 
+@pytest.mark.slow
 def test_sweep_run_widens_reports_the_edge_and_reuses_the_runs(tmp_path, capsys, stand_in):
     sweep = _sweep_file(tmp_path, "{key: optimizer.lr, factors: [1, 2], overrides: [train.max_steps=2]}")
     out = tmp_path / "out"
@@ -237,6 +238,7 @@ def test_sweep_run_stops_naming_the_job_whose_every_run_diverged(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_sweep_run_only_trains_the_named_jobs_and_the_baseline(tmp_path, stand_in, monkeypatch):
     monkeypatch.setitem(LANDSCAPES, "DeMo k=1", bowl(0.006))
     sweep = tmp_path / "three.yaml"

@@ -48,7 +48,7 @@ from runs import (
 SWEEPS = repo_root() / "sweeps"
 # The paper-scale sweeps; the laptop ones (quickstart, table1_tiny) build on the quickstart's experiment.
 PAPER_SWEEPS = sorted(path.stem for path in SWEEPS.glob("*.yaml")
-                      if "experiment=quickstart" not in load_sweep(path.stem).base)
+                      if "experiment=quickstart" not in load_sweep(path.stem, labelled=False).base)
 OLMO_1B_PARAMETERS = 1_176_764_416  # configs/model/olmo_1b.yaml
 OLMO_300M_PARAMETERS = 319_946_752
 PAPER_TOKENS_PER_STEP = 2048 * 2048
@@ -182,6 +182,7 @@ def test_table1_sweeps_are_the_papers_rows(sweep_name, paper_model, token_files,
     assert len(planned) == len(expected)
 
 
+@pytest.mark.slow
 def test_gpu_hours_are_six_n_d_at_the_given_utilisation(token_files, tmp_path):
     run = plan_sweep(load_sweep("table1_1b"), [*token_files, f"run_root={tmp_path}"])[0].run
 
@@ -216,6 +217,7 @@ def test_dry_run_lists_every_job_and_the_total_and_submits_nothing(token_files, 
     assert "warning      the run repeats its training data" in out
 
 
+@pytest.mark.slow
 def test_a_dry_run_plans_from_a_laptop_without_the_data_files(tmp_path, capsys):
     """The README's paths point at the cluster's scratch; the plan must not need them."""
     code = sweep_cli.main(["submit", "table1_1b", "--dry-run", "data.paths=[/scratch/dolma/*.npy]",
@@ -402,6 +404,7 @@ def test_a_preempted_run_is_requeued_resumes_and_ends_like_an_uninterrupted_one(
     assert final == json.loads((reference / "summary.json").read_text())["final_val_loss"]
 
 
+@pytest.mark.slow
 def test_dry_run_prints_checkpoint_size_and_write_time_and_warns_when_it_does_not_fit(token_files, tmp_path, capsys):
     run_root = tmp_path / "runs"
     code = sweep_cli.main(["submit", "table1_1b", "--dry-run", *token_files, f"run_root={run_root}"])

@@ -27,6 +27,7 @@ def _group(label: str, excess: list[float], payload: float = 0.3, config: dict |
                          for i, e in enumerate(excess)])
 
 
+@pytest.mark.slow
 def test_the_table1_tiny_sweep_tunes_every_point_then_runs_three_seeds():
     sweep = load_sweep("table1_tiny")
     assert sweep.tune.key == "optimizer.lr" and sweep.tune.factors == (0.5, 1.0, 2.0)
@@ -101,6 +102,7 @@ def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
         seed_rows(groups[:1])
 
 
+@pytest.mark.slow
 def test_runs_that_differ_in_their_seed_only_are_one_group_however_the_sweep_wrote_the_seeds():
     """A grid over seed in a sweep file made one table row per seed, each "1 seed: no verdict"
     (issue 26's closing demo); a sweep's seeds: key grouped them."""
