@@ -26,10 +26,12 @@ quickstart: $(STAMP)
 
 # The suite on TEST_WORKERS pytest processes (pytest-xdist), a test file to each at a time: its
 # end-to-end runs wait on process start-up, SLURM and links, and two of them fill two cores.
+# Files start in collection order (--no-loadscope-reorder: xdist would start the files with the
+# most tests first, leaving the long few-test ones for last), longest first (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # The suite without multi-process end-to-end runs and the local SLURM, for the edit loop (within
 # 90 s on two cores): its tests are short and independent, so they go to the workers one by one.

@@ -246,3 +246,22 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRuns:
     # pytest-xdist gives each worker a basetemp of its own below one the workers share
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return TrainedRuns(shared / "trained-runs")
+
+
+# ------------------------------------------------------------------ the order files start in
+# `make test` hands whole files to its two pytest workers (--dist loadfile) in collection order,
+# the next file to whichever worker is free. A long file started last leaves one worker alone at
+# the end, so the files that take a minute or more (real processes, SLURM, network namespaces,
+# the documentation's commands) start first, longest first as last measured; the rest follow in
+# their usual order. Only the order changes: a file missing here, or a stale entry, costs
+# balance, never a test.
+LONGEST_FIRST = (
+    "test_readme.py", "test_sweeps.py", "test_wan.py", "test_train.py", "test_lost_peers.py",
+    "test_table1_tiny.py", "test_nodes.py", "test_resume.py", "test_block_topk.py", "test_stop_signals.py",
+    "test_nodes_slurm.py", "test_registry.py", "test_exit_lines.py", "test_launch_slurm.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
