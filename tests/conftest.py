@@ -265,3 +265,30 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
+
+
+@pytest.fixture
+def forked_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_local``, as the sweep driver and the quickstart call it, trains in forked ranks
+    (``runs.train_in_workers``): the drivers, the runs they train and the reports they write are
+    real; only each rank's interpreter start-up is left out. A run that diverges ends as the
+    launcher ends it (``WorkerFailure`` with the worker's EXIT_DIVERGED); a finished one goes to
+    the real launcher, which says so. For tests of the drivers, not of the launcher."""
+    from lowcomm.cli import quickstart
+    from lowcomm.launch import local
+    from lowcomm.rundir import RunDir
+    from lowcomm.train.loop import EXIT_DIVERGED
+    from runs import train_in_workers
+
+    launcher = local.launch_local
+
+    def launch(run: Any, **kwargs: Any) -> Path:
+        if RunDir(run.run_dir).read_summary() is not None:
+            return launcher(run, **kwargs)
+        train_in_workers(run)
+        if RunDir(run.run_dir).read_summary().get("diverged"):
+            raise local.WorkerFailure(0, EXIT_DIVERGED, run_dir=run.run_dir)
+        return run.run_dir
+
+    monkeypatch.setattr(local, "launch_local", launch)
+    monkeypatch.setattr(quickstart, "launch_local", launch)

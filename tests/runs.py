@@ -118,8 +118,10 @@ def kill_resume_and_compare(tmp_path: Path, *overrides: str, kill_after: str = "
     """Run to the end; run again, SIGKILL the workers once ``kill_after`` is written, resume,
     and require the final parameters and the whole loss / byte sequence to be identical."""
     reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
-    subprocess.run(_train_cmd(reference_root, *overrides), check=True, cwd=tmp_path, timeout=300, capture_output=True)
-    ref_dir = next((reference_root / "default").iterdir())
+    # the uninterrupted reference is what a run computes, not a process's fate: forked ranks
+    reference = tiny_run(reference_root, "train.checkpoint_every=5", "train.keep_checkpoints=3", "train.eval_every=7",
+                         *overrides, max_steps=14)
+    ref_dir = train_in_workers(reference)  # _train_cmd's settings: the killed run below has its name
     proc = subprocess.Popen(_train_cmd(killed_root, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     run_dir = killed_root / "default" / ref_dir.name

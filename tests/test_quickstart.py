@@ -25,6 +25,7 @@ def test_every_quickstart_run_validates_with_a_distinct_run_name():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_launches")  # the drivers are under test, not the launcher
 def test_a_reduced_quickstart_writes_the_table_and_figures(tmp_path, capsys):
     sweep = tmp_path / "mini.yaml"
     sweep.write_text(

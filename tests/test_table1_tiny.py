@@ -140,6 +140,7 @@ def test_the_table_states_the_budget_in_tokens_per_parameter():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_launches")  # the drivers are under test, not the launcher
 def test_sweep_run_tunes_then_runs_the_seeds_and_writes_the_table(tmp_path, capsys):
     sweep = tmp_path / "micro.yaml"
     sweep.write_text(

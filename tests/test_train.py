@@ -59,9 +59,10 @@ def _worker_pids(config_path: Path) -> list[int]:
 @pytest.mark.slow
 def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(tmp_path):
     reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
-    subprocess.run(_train_cmd(reference_root), check=True, cwd=tmp_path, timeout=300, capture_output=True)
-    reference = tiny_run(reference_root)  # only for its paths
-    ref_dir = next((reference_root / "default").iterdir())
+    # the uninterrupted reference is what the run computes, not a process's fate: forked ranks,
+    # _train_cmd's settings (the killed run below is found by its name)
+    ref_dir = train_in_workers(tiny_run(reference_root, "train.checkpoint_every=4", "train.keep_checkpoints=3",
+                                        "train.eval_every=10", max_steps=40))
 
     proc = subprocess.Popen(_train_cmd(killed_root), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = killed_root / "default" / ref_dir.name
@@ -89,7 +90,6 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bit_identical(tmp_path):
     assert steps == sorted(set(steps)), "metrics.jsonl has duplicated steps after the resume"
     for key in ("train/loss", "val/loss", "comm/payload_bytes", "comm/cum_payload_MB"):
         assert [r.get(key) for r in resumed_metrics] == [r.get(key) for r in ref_metrics], key
-    del reference
 
 
 @pytest.mark.slow
