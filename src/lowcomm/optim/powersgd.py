@@ -224,7 +224,7 @@ class PowerSGDReducer:
         GPU) each of P = M Q and Q = M^T P is one operator for all of them. OLMo's blocks
         repeat four shapes, so OLMo-300M's 65 compressed matrices, were they in one call, are
         5 groups: 5 + 5 QRs per step instead of 65 + 65, each with its own solver launches on
-        a GPU (DDP's 25 MB buckets hand the hook no two of one shape at 300M: README). P and Q
+        a GPU (DDP's 25 MB buckets hand the hook no two of one shape at 300M: results/benchmarks/README.md). P and Q
         travel in model order, as per-matrix products would lay them out, so the sums are the
         same; on the CPU the result is the one-matrix-at-a-time computation's bit for bit."""
         world = self.comm.world_size
