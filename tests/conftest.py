@@ -4,8 +4,8 @@ Trained runs: ``trained_run(*overrides, workers=2, max_steps=6)`` (a session fix
 finished run of the tiny model with those overrides (``runs.tiny_run``'s settings), training it
 the first time any test of the session asks for it and handing the same run directory to every
 later one, on either pytest worker. A test that only reads a run asks for it here; one that
-changes it works on a copy (``trained_run.copy(run, tmp_path)``); only tests about processes themselves (signals, lost
-peers, SLURM, nodes) launch their own.
+changes a run trains its own (``runs.train_in_workers``); only tests about processes themselves
+(signals, lost peers, SLURM, nodes) launch theirs for real.
 
 SLURM: ``local_slurm`` starts a private single-node cluster (slurm/local_slurm.sh) for the test
 session, ``two_node_slurm`` one of two nodes (network namespaces) for a module, and ``slurm_results`` waits for a submitit job on it with a deadline. Tests that use them
@@ -204,7 +204,6 @@ class TrainedRuns:
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self._asked: dict[Path, tuple] = {}  # run directory -> how it was asked for
 
     def __call__(self, *overrides: str, workers: int = 2, max_steps: int = 6):
         from runs import tiny_run, train_in_workers
@@ -222,26 +221,15 @@ class TrainedRuns:
                 except BaseException:
                     shutil.rmtree(self.root / key, ignore_errors=True)
                     raise
-        self._asked[run.run_dir] = (overrides, workers, max_steps)
         return run
-
-    def copy(self, run: Any, tmp_path: Path):
-        """A copy of a stored run's whole run root (its data included) under ``tmp_path``, as
-        the RunConfig of the same overrides there: the test's own, to resume, damage or extend."""
-        from runs import tiny_run
-
-        overrides, workers, max_steps = self._asked[run.run_dir]
-        shutil.copytree(run.run_root, tmp_path / "copy")
-        copied = tiny_run(tmp_path / "copy", *overrides, workers=workers, max_steps=max_steps)
-        assert copied.run_dir.is_dir(), f"{copied.run_dir}: not the stored run's directory"
-        return copied
 
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRuns:
     """``trained_run(*overrides, workers=2, max_steps=6)``: the finished RunConfig (its
     ``run_dir`` complete) of the tiny model with those overrides, trained once per session.
-    Read it, never change it: a test that changes a run works on ``trained_run.copy(run, tmp_path)``."""
+    Read it, never change it: a run's checkpoints record where its data lie, so a copy elsewhere
+    would not resume; a test that changes a run trains its own (``runs.train_in_workers``)."""
     base = tmp_path_factory.getbasetemp()
     # pytest-xdist gives each worker a basetemp of its own below one the workers share
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -51,7 +51,7 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
     :func:`spawn_workers`' fork server instead of started as fresh interpreters: a rank starts in
     a fraction of a second instead of the ~3.5 s a worker spends importing torch and OLMo, which
     is most of a tiny run's time. Each rank is still a process of its own, with none of lowcomm's
-    state from an earlier run (the server has imported torch alone), so a resume here starts
+    state from an earlier run (the server has imported torch and OLMo alone), so a resume here starts
     from the checkpoint as a relaunched worker does. For tests of what a run computes and
     writes; tests of processes themselves (signals, exit lines, lost peers) launch for real.
     A finished run is left as it is, as ``launch_local`` leaves it. Returns the run directory."""
@@ -62,13 +62,14 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
     return run.run_dir
 
 
-def _train_rank(rank: int, world: int, config_path: str) -> int:
+def _train_rank(rank: int, world: int, config_path: str) -> int:  # noqa: ARG001 - spawn_workers' signature
+    """A rank of :func:`train_in_workers`: what ``python -m lowcomm.train.worker`` does, its rank
+    and world read from the environment spawn_workers gives it, as torchrun's would be."""
     from lowcomm.config import load_run_config, validate
     from lowcomm.distenv import DistEnv
     from lowcomm.train.loop import train
 
-    run = validate(load_run_config(config_path))
-    return train(run, DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world)).final_step
+    return train(validate(load_run_config(config_path)), DistEnv.from_environ()).final_step
 
 
 def quickstart_points() -> dict[str, list[str]]:
