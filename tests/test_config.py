@@ -254,3 +254,72 @@ def test_what_a_worker_would_refuse_is_refused_before_anything_starts(tmp_path, 
     assert code == 2
     assert "optimizer.shard_group_size=2 must divide the world size 3" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no run directory, no data: nothing was launched
+
+
+# ------------------------------------------------------------------ composition in two steps, cached
+
+HAND_WRITTEN = [
+    ["seed=3", "optimizer=demo", "optimizer.compression_topk=8"],  # a value before its group
+    ["experiment=paper_table1", "model=olmo_1b", "optimizer=diloco", "optimizer.sync_every=30"],
+    ["experiment=quickstart", "data=memmap", "data.paths=[/a/*.npy,/b/c.npy]", "data.val_paths=[]"],
+    ["optimizer=muloco", "+optimizer.extra=1", "++train.max_steps=7", "~wandb.project"],
+    ["optimizer=sparseloco", "run_root=${oc.env:HOME}/runs", "train.eval_every=null"],
+    ["cluster=slurm_64gpu", "model=tiny", "cluster.workers=4", "train.alpha_f=0.2"],
+]
+
+
+def _shipped_jobs() -> list[list[str]]:
+    """The first job of every shipped sweep and its last (the most values on one selection)."""
+    from lowcomm.config.sweep import load_sweep
+    from lowcomm.paths import repo_root
+    jobs = []
+    for path in sorted((repo_root() / "sweeps").glob("*.yaml")):
+        sweep = load_sweep(str(path), labelled=False)
+        jobs += [sweep.jobs[0], sweep.jobs[-1]]
+    return jobs
+
+
+@pytest.mark.slow
+def test_composing_groups_then_values_is_hydras_single_composition():
+    """compose() composes the group selections once and applies the values to a copy; Hydra's
+    single call (the independent truth) gives the same config, flags included, for every shipped
+    sweep's first and last job and for each kind of override."""
+    from omegaconf import OmegaConf
+
+    from lowcomm.config.compose import _hydra_compose, compose
+    for overrides in HAND_WRITTEN + _shipped_jobs():
+        ours, hydras = compose(overrides), _hydra_compose(overrides, whole=True)
+        assert OmegaConf.to_container(ours) == OmegaConf.to_container(hydras), overrides
+        assert OmegaConf.is_struct(ours) and OmegaConf.is_struct(hydras)
+        assert list(ours.keys()) == list(hydras.keys())
+
+
+def test_a_composed_config_changed_by_its_caller_does_not_change_the_next_one():
+    from lowcomm.config.compose import compose
+    first = compose(["optimizer=demo"])
+    first.optimizer.compression_topk = 3
+    assert compose(["optimizer=demo"]).optimizer.compression_topk != 3
+
+
+def test_an_edited_config_tree_is_composed_afresh(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from lowcomm.config.compose import compose
+    from lowcomm.paths import config_dir
+    tree = tmp_path / "configs"
+    shutil.copytree(config_dir(), tree)
+    monkeypatch.setenv("LOWCOMM_CONFIG_DIR", str(tree))
+    assert compose(["optimizer=demo", "seed=1"]).optimizer.compression_topk == 32
+    demo = tree / "optimizer" / "demo.yaml"
+    demo.write_text(demo.read_text().replace("compression_topk: 32", "compression_topk: 5"))
+    os.utime(demo, ns=(1, 1))  # a new modification time even within the clock's resolution
+    assert compose(["optimizer=demo", "seed=1"]).optimizer.compression_topk == 5
+
+
+@pytest.mark.parametrize("overrides", [["optimizer=demo", "optimizer.nokey=1"], ["optimizer=demo,diloco"],
+                                       ["hydra.job.name=x", "optimizer.nokey=1"]])
+def test_a_bad_override_is_refused_by_either_path(overrides):
+    from lowcomm.config.compose import compose
+    with pytest.raises(ConfigError):
+        compose(overrides)
