@@ -313,14 +313,13 @@ def test_a_new_method_is_four_files(tmp_path):
 
     # the contracts every method is held to, on the copy: resume mid-run bit for bit, metered
     # bytes against the comm table, the registry's checks, and the method's own test
-    tests = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # -rA: a line for each test that passed, so the method's own cases are seen to have run
+    tests = run(sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                 "tests/test_signvote.py", "tests/test_resume.py", "tests/test_comm_table.py",
                 "tests/test_registry.py", "-k", "signvote or Sign or every_method or every_yaml or no_algorithm")
-    collected = run(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                    "tests/test_resume.py", "tests/test_comm_table.py", "-k", "signvote or Sign")
-    for test in ("test_a_run_stopped_mid_period_resumes_bit_for_bit['Sign vote']",
-                 "test_every_strategy_meters_what_the_table_predicts_and_balances[signvote]"):
-        assert test in collected
+    for test in ("tests/test_resume.py::test_a_run_stopped_mid_period_resumes_bit_for_bit['Sign vote']",
+                 "tests/test_comm_table.py::test_every_strategy_meters_what_the_table_predicts_and_balances[signvote]"):
+        assert f"PASSED {test}" in tests, tests[-3000:]
     summary = tests.strip().splitlines()[-1]
     assert "failed" not in summary and "error" not in summary, tests[-3000:]
     assert int(summary.split(" passed")[0].split()[-1]) >= 7, summary  # its own, resume, bytes, 4+ registry
