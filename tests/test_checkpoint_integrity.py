@@ -154,3 +154,25 @@ def test_retention_never_keeps_an_unusable_checkpoint_in_place_of_the_last_good_
 
     (checkpoints / "step_000000003" / "model.pt").unlink()  # the next damage: 2 is still there
     assert spawn_workers(_stop_at_once, 2, resumed) == [3, 3]
+
+
+@pytest.mark.slow
+def test_an_unreadable_summary_is_named_in_one_line_and_the_run_resumes_from_its_checkpoints(finished_run, capfd):
+    """A summary.json cut short (a full disk or a kill while a version before 2026-12-02 wrote it
+    in place) is no finished run and no raw JSONDecodeError: the launch names the file and resumes
+    from the last checkpoint, which writes the summary again, the same as the one that was lost."""
+    run, pristine = finished_run
+    _fresh(run, pristine)
+    summary = RunDir(run.run_dir).summary
+    summary.write_text('{\n  "steps": 4,\n  "final_val_')
+    capfd.readouterr()
+
+    launch_local(run)
+
+    out, err = capfd.readouterr()
+    named = [line for line in err.splitlines() if str(summary) in line]
+    assert named == [f"[lowcomm] {summary} cannot be read (not valid JSON): the run is taken as unfinished and "
+                     "resumes from its checkpoints"], err
+    assert "Traceback" not in out + err and "resuming from step_000000004" in out
+    restored = RunDir(run.run_dir).read_summary()
+    assert restored["final_val_loss"] == json.loads((pristine / "summary.json").read_text())["final_val_loss"]

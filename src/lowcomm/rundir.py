@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,8 +97,20 @@ class RunDir:
         return read_metrics(self.metrics)
 
     def read_summary(self) -> dict[str, Any] | None:
-        """The summary of a finished run, or None while it has none."""
-        return json.loads(self.summary.read_text()) if self.summary.is_file() else None
+        """The summary of a finished run, or None while it has none. One that cannot be read
+        (empty or cut short: written in place by a version before 2026-12-02, then a full disk
+        or a kill) is named in one line on stderr, and the run is taken as unfinished: a launch
+        resumes it from its checkpoints and writes the summary again."""
+        if not self.summary.is_file():
+            return None
+        try:
+            summary = json.loads(self.summary.read_text())
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not valid JSON"
+            print(f"[lowcomm] {self.summary} cannot be read ({reason}): the run is taken as unfinished and "
+                  "resumes from its checkpoints", file=sys.stderr, flush=True)
+            return None
+        return summary if isinstance(summary, dict) else None
 
     def read_evals(self) -> dict[int, dict[str, Any]]:
         """Stored evaluation results by checkpoint step."""
@@ -214,15 +227,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any], default: Callable[[Any], Any] | None = None) -> None:
+def write_json_atomic(path: Path, payload: dict[str, Any], default: Callable[[Any], Any] | None = None, *,
+                      allow_nan: bool = True) -> None:
     """Write ``payload`` so that a reader sees the old file or the new one, never half of one:
     to a hidden temporary file beside ``path`` (no ``step_*.json`` glob matches it), flushed to
-    disk, then renamed. ``default`` serialises what json cannot (as in ``json.dump``)."""
+    disk, then renamed. ``default`` serialises what json cannot and ``allow_nan`` (as in
+    ``json.dump``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
         with os.fdopen(descriptor, "w") as handle:
-            json.dump(payload, handle, indent=2, default=default)
+            json.dump(payload, handle, indent=2, default=default, allow_nan=allow_nan)
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())

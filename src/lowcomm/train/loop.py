@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
 import logging
 import math
 import os
@@ -26,7 +25,7 @@ from lowcomm.data import BatchOrder, open_data, validation_indices
 from lowcomm.distenv import DistEnv
 from lowcomm.hardware import bf16_peak_flops
 from lowcomm.models import build_model, count_parameters, flops_per_token
-from lowcomm.rundir import RunDir, list_checkpoints
+from lowcomm.rundir import RunDir, list_checkpoints, write_json_atomic
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
@@ -335,7 +334,7 @@ class Trainer:
         if divergence is not None:
             summary = {**self._summary(done, None, compute_s, start), "diverged": divergence}
             if self.is_main:
-                RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2, allow_nan=False))
+                write_json_atomic(RunDir(self.run_dir).summary, summary, allow_nan=False)
                 print(divergence_line(self.run_dir, divergence), flush=True)
             writer.close()
             return TrainResult(self.run_dir, done, False, summary, diverged=divergence)
@@ -345,7 +344,7 @@ class Trainer:
             val_loss = self.validate()
         summary = self._summary(final_step, val_loss, compute_s, start)
         if self.is_main and not preempted:
-            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2, allow_nan=False))
+            write_json_atomic(RunDir(self.run_dir).summary, summary, allow_nan=False)
         writer.close()
         return TrainResult(self.run_dir, final_step, preempted, summary)
 
