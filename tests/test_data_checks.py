@@ -352,3 +352,48 @@ def test_lowcomm_prepare_data_on_a_full_disk_says_so_in_one_line_and_leaves_noth
     assert last.startswith(f"lowcomm-prepare-data: error: could not write {output}: No space left on device")
     assert last.endswith(f"nothing was written (the filesystem is mounted at {tiny_disk})")
     assert list(tiny_disk.iterdir()) == []
+
+
+# ------------------------------------------------------------------ the corpus's tokenizer against the model's
+
+def _byte_corpus(tmp_path: Path, *, record_vocabulary: bool = True) -> Path:
+    """A corpus of three of this repository's pages, tokenized to bytes by lowcomm-prepare-data."""
+    from lowcomm.data.prepare import prepare
+    corpus = tmp_path / "corpus"
+    repo = Path(__file__).resolve().parents[1]
+    prepare([str(repo / page) for page in ("README.md", "analysis/README.md", "slurm/README.md")], corpus, "bytes", 0.3)
+    if not record_vocabulary:  # as a corpus prepared before meta.json recorded it
+        meta = json.loads((corpus / "meta.json").read_text())
+        del meta["vocab_size"]
+        (corpus / "meta.json").write_text(json.dumps(meta))
+    return corpus
+
+
+@pytest.mark.parametrize("record_vocabulary", [True, False], ids=["recorded", "by-tokenizer-name"])
+def test_a_corpus_tokenized_for_another_model_is_refused_naming_both_before_spawning(tmp_path, record_vocabulary):
+    """Every byte id is also a valid id of OLMo's 50,280: the id scan alone let a 300M model train
+    on a byte corpus, silently (issue 45). The corpus's meta.json names its tokenizer."""
+    corpus = _byte_corpus(tmp_path, record_vocabulary=record_vocabulary)
+    run = _memmap_run(tmp_path, corpus / "train.bin", corpus / "val.bin", "model=olmo_300m", "train.seq_len=64",
+                      "train.global_batch_size=2", "train.micro_batch_size=1")
+    with pytest.raises(DataError) as info:
+        prepare_run_dir(run)
+    message = str(info.value)
+    assert message == (
+        f"data.paths: {corpus} was tokenized with tokenizer bytes, 257 ids ({corpus / 'meta.json'}), but "
+        "model=olmo_300m reads tokenizer allenai_gpt-neox-olmo-dolma-v1_5 (50,280 ids); train model=tiny on it, "
+        "or tokenize the text again for this model (lowcomm-prepare-data --tokenizer "
+        "allenai_gpt-neox-olmo-dolma-v1_5 ...)")
+    assert_suggested_keys_exist(message)
+    assert not (run.run_dir / "config.yaml").exists()  # refused before anything was written or spawned
+
+
+def test_a_corpus_of_the_models_own_tokenizer_and_raw_token_files_pass(tmp_path):
+    corpus = _byte_corpus(tmp_path)
+    prepare_run_dir(_memmap_run(tmp_path, corpus / "train.bin", corpus / "val.bin"))  # tiny reads bytes
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _tokens(raw / "train.bin", 4096)
+    _tokens(raw / "val.bin", 1024, seed=1)
+    (raw / "meta.json").write_text("not a record of ours")  # unreadable: the id scan alone decides
+    prepare_run_dir(_memmap_run(tmp_path / "second", raw / "train.bin", raw / "val.bin"))

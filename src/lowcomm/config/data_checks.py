@@ -17,6 +17,7 @@ recorded one on a resume (:mod:`lowcomm.data.fingerprint`).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -199,6 +200,8 @@ def _problems(run: RunConfig, dtype: str, scans: list[tuple[FileScan, str]]) -> 
                 "set data.dtype=uint32" for scan in swapped[:LISTED_FILES]]
             if len(swapped) > LISTED_FILES:
                 problems.append(f"{key}: {len(swapped) - LISTED_FILES} more file(s) look like uint32 tokens")
+    if run.data.name == "memmap":
+        problems += _tokenizer_problems(run, [(Path(scan.path), key) for scan, key in scans])
     limit, where = model_vocabulary(run)
     over = [(scan, key) for scan, key in scans if scan.max_id >= limit]
     if over:
@@ -207,6 +210,52 @@ def _problems(run: RunConfig, dtype: str, scans: list[tuple[FileScan, str]]) -> 
                           f"of {scan.tokens:,})" for scan, key in over[:LISTED_FILES])
         more = f"; and {len(over) - LISTED_FILES} more file(s)" if len(over) > LISTED_FILES else ""
         problems.append(f"{named}{more}, but {where}. Likely cause: {_likely_cause(run, dtype, largest)}")
+    return problems
+
+
+def corpus_record(path: Path) -> tuple[Path, dict] | None:
+    """The ``meta.json`` that ``lowcomm-prepare-data`` wrote beside a token file, and what it
+    holds; None for raw token files (or a record that cannot be read: the scan still checks
+    every id against the vocabulary)."""
+    record = path.parent / "meta.json"
+    try:
+        return record, json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tokenizer_problems(run: RunConfig, files: list[tuple[Path, str]]) -> list[str]:
+    """A corpus tokenized for another model: its recorded tokenizer (and vocabulary) against the
+    model's, once per corpus directory. Every id of a byte-level corpus is also a valid id of a
+    50k vocabulary, so the id scan alone lets a 1B model train on bytes, silently."""
+    model = run.model
+    problems = []
+    first = {}
+    for path, key in files:  # one record per corpus directory, named by the first key that lists it
+        first.setdefault(path.parent, (path, key))
+    for path, key in first.values():
+        found = corpus_record(path)
+        if found is None or not isinstance(found[1], dict) or "tokenizer" not in found[1]:
+            continue
+        record, meta = found
+        tokenizer = str(meta["tokenizer"])
+        vocabulary = meta.get("vocab_size")
+        if vocabulary is None:
+            try:
+                vocabulary = load_tokenizer(tokenizer).vocab_size
+            except (ValueError, OSError):
+                vocabulary = None
+        if tokenizer == model.tokenizer and (vocabulary is None or vocabulary <= model.vocab_size):
+            continue
+        theirs = f"tokenizer {tokenizer}" + (f", {vocabulary:,} ids" if vocabulary is not None else "")
+        fits = [m.name for m in shipped_models() if m.tokenizer == tokenizer
+                and (vocabulary is None or m.vocab_size >= vocabulary)]
+        fix = (f"train {' or '.join(f'model={name}' for name in fits)} on it" if fits
+               else f"add a model config with model.tokenizer={tokenizer}")
+        problems.append(
+            f"{key}: {path.parent} was tokenized with {theirs} ({record}), but model={model.name} reads tokenizer "
+            f"{model.tokenizer} ({model.vocab_size:,} ids); {fix}, or tokenize the text again for this model "
+            f"(lowcomm-prepare-data --tokenizer {model.tokenizer} ...)")
     return problems
 
 

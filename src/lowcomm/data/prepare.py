@@ -78,7 +78,7 @@ def prepare(inputs: list[str], output: Path, tokenizer_name: str,
             if n_docs == 0:
                 raise DataError(f"no documents went to the {split} split; add documents or change val_fraction")
         meta = {
-            "tokenizer": tokenizer_name, "dtype": np.dtype(dtype).name, "inputs": [str(p) for p in paths],
+            "tokenizer": tokenizer_name, "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name, "inputs": [str(p) for p in paths],
             "val_fraction": val_fraction,
             **{f"{split}_documents": c[0] for split, c in counts.items()},
             **{f"{split}_tokens": c[1] for split, c in counts.items()},
