@@ -64,6 +64,21 @@ def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_exits_143(tmp_
     assert not (metrics.parent / ".lock").exists() or not _workers(metrics.parent / "config.yaml")
 
 
+@pytest.mark.parametrize("which", [0, -1], ids=["first", "last"])
+def test_sigterm_to_one_worker_is_a_sigterm_for_every_rank_and_the_launcher(tmp_path, which):
+    """kill of one rank (an OOM killer's warning, an operator): the ranks agree on the stop and on
+    its signal at the same boundary, so the one that was not sent it leaves as SIGTERM too (it
+    left as Ctrl-C, 130, and where it left first the launcher said so; issue 45)."""
+    proc, metrics = _start(tmp_path)
+    os.kill(_workers(metrics.parent / "config.yaml")[which], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    checkpoints = list_checkpoints(metrics.parent / "checkpoints")
+    assert len(checkpoints) == 1 and not (metrics.parent / "summary.json").exists()
+    assert _final_line(err) == (f"lowcomm-train: interrupted (SIGTERM): stopped with a checkpoint at {checkpoints[0]}; "
+                                "run the same command to resume")
+
+
 def test_workers_stopped_by_a_signal_the_launcher_ignored_do_not_end_as_a_success(tmp_path):
     """SIGINT reached the workers only (the launcher ignores it, as under nohup): they checkpoint
     and the launcher reports the interruption, not a finished run."""

@@ -3,7 +3,9 @@ read some boundaries later.
 
 At each boundary the loop needs the ranks' verdict on a stop request and on a diverged loss, and,
 where it logs, the loss and validation loss averaged over ranks. All of it travels as one
-all-reduce (a sum of five numbers per rank) started at the boundary.
+all-reduce (a sum of six numbers per rank) started at the boundary. A stop request carries its
+signal: every rank stops at the same boundary and leaves with the same status, SIGTERM's where
+any rank was sent SIGTERM (it has a deadline: SIGKILL follows), else Ctrl-C's.
 
 A strategy whose exchange stays in flight for some steps after it starts (DisTrO's all-gather,
 eager DiLoCo's outer all-reduce; :meth:`~lowcomm.strategies.base.Strategy.report_lag`) hides
@@ -20,6 +22,7 @@ request goes unheard.
 
 from __future__ import annotations
 
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,8 +30,9 @@ import torch
 
 from lowcomm.comm import Communicator
 
-# the summed vector: stop requested, loss not acceptable, loss, validation nll, validation tokens
-_STOP, _BAD, _LOSS, _VAL_NLL, _VAL_TOKENS = range(5)
+# the summed vector: stop requested, stop requested by SIGTERM, loss not acceptable, loss,
+# validation nll, validation tokens
+_STOP, _TERM, _BAD, _LOSS, _VAL_NLL, _VAL_TOKENS = range(6)
 
 
 @dataclass
@@ -37,7 +41,8 @@ class Boundary:
 
     ``record`` holds what the rank knows alone (lr, its timings, the meter's step metrics); the
     agreement adds ``train/loss`` where ``logged`` and ``val/loss`` where ``validation`` (the
-    rank's validation nll sum and token count) is given."""
+    rank's validation nll sum and token count) is given. ``signum``: the signal behind a request
+    (None: Ctrl-C's, SIGINT)."""
 
     step: int
     loss: float
@@ -47,6 +52,7 @@ class Boundary:
     record: dict = field(default_factory=dict)
     logged: bool = False
     validation: tuple[float, float] | None = None
+    signum: int | None = None
 
 
 @dataclass
@@ -58,6 +64,7 @@ class Agreed:
     diverged: bool  # some rank's loss here was not finite or over the bound
     mean_loss: float
     val_loss: float | None
+    signum: int | None = None  # where stop: SIGTERM if some rank was sent it, else SIGINT
 
     @property
     def step(self) -> int:
@@ -86,8 +93,9 @@ class BoundaryAgreement:
     def submit(self, boundary: Boundary, *, now: bool = False) -> list[Agreed]:
         """Start ``boundary``'s agreement; the boundaries read here (every pending one where
         ``now``)."""
-        value = torch.zeros(5, dtype=torch.float64)
+        value = torch.zeros(6, dtype=torch.float64)
         value[_STOP], value[_BAD] = float(boundary.requested), float(not boundary.acceptable)
+        value[_TERM] = float(boundary.requested and boundary.signum == signal.SIGTERM)
         value[_LOSS] = boundary.loss if boundary.acceptable else 0.0
         if boundary.validation is not None:
             value[_VAL_NLL], value[_VAL_TOKENS] = boundary.validation
@@ -112,5 +120,7 @@ class BoundaryAgreement:
         total = value.tolist()
         tokens = total[_VAL_TOKENS]
         val_loss = total[_VAL_NLL] / tokens if boundary.validation is not None and tokens > 0 else None
-        return Agreed(boundary, stop=total[_STOP] > 0, diverged=total[_BAD] > 0,
-                      mean_loss=total[_LOSS] / self.comm.world_size, val_loss=val_loss)
+        stop = total[_STOP] > 0
+        signum = (signal.SIGTERM if total[_TERM] > 0 else signal.SIGINT) if stop else None
+        return Agreed(boundary, stop=stop, diverged=total[_BAD] > 0,
+                      mean_loss=total[_LOSS] / self.comm.world_size, val_loss=val_loss, signum=signum)

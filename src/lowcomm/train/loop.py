@@ -42,6 +42,7 @@ class TrainResult:
     preempted: bool
     summary: dict
     diverged: dict | None = None  # the summary's "diverged" entry when the run diverged
+    stop_signal: int | None = None  # where preempted: the signal the ranks agreed to stop on
 
 
 # The exit status of a run that diverged: EX_DATAERR of sysexits.h. Rerunning it as it is
@@ -262,7 +263,7 @@ class Trainer:
         progress = Progress(train.max_steps, start, enabled=self.is_main)
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
-        preempted, val_loss, divergence = False, None, None
+        preempted, val_loss, divergence, stop_signal = False, None, None, None
         agreement = BoundaryAgreement(self.comm, self.strategy.report_lag(self.strategy.cfg))
         self.model.train()
         step = start
@@ -277,7 +278,8 @@ class Trainer:
             asked = self.should_stop is not None and bool(self.should_stop())
             due = bool((train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.max_steps)
             here = Boundary(done, local, requested=asked and done < train.max_steps, acceptable=self._finite(local),
-                            lr=lr, logged=done % train.log_every == 0 or done == train.max_steps)
+                            lr=lr, logged=done % train.log_every == 0 or done == train.max_steps,
+                            signum=getattr(self.should_stop, "received", None) if asked else None)
             if here.logged:
                 elapsed = self.clock() - window_t0
                 here.record.update({"opt/lr": lr, "perf/tokens_per_s": tokens_per_step * window_steps / elapsed,
@@ -299,6 +301,8 @@ class Trainer:
             here.record.update(self.comm.meter.end_step())
             agreed = agreement.submit(here, now=due)
             stop = any(a.stop for a in agreed) and done < train.max_steps
+            if stop:
+                stop_signal = next(a.signum for a in agreed if a.stop)
             if stop or any(a.diverged for a in agreed):
                 agreed += agreement.drain()  # every rank leaves here: read what is still in flight
             first_diverged = next((i for i, a in enumerate(agreed) if a.diverged), None)
@@ -346,7 +350,8 @@ class Trainer:
         if self.is_main and not preempted:
             write_json_atomic(RunDir(self.run_dir).summary, summary, allow_nan=False)
         writer.close()
-        return TrainResult(self.run_dir, final_step, preempted, summary)
+        return TrainResult(self.run_dir, final_step, preempted, summary,
+                           stop_signal=stop_signal if preempted else None)
 
     def _leaving(self) -> None:
         """Tell ``should_stop`` (where it wants to know: ``honour()``, a

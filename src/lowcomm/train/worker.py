@@ -100,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     if result.diverged is not None:  # rank 0 has printed the line
         return EXIT_DIVERGED
     if result.preempted:
+        # the signal the ranks agreed on: a rank that did not see it stopped with the others at
+        # the same step, and leaves as the signalled one does (SIGTERM to one worker is SIGTERM)
+        signum = result.stop_signal or stop.received or signal.SIGINT
         if env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
-            print(f"[lowcomm] interrupted ({signal.Signals(stop.received).name}): stopped at step "
+            print(f"[lowcomm] interrupted ({signal.Signals(signum).name}): stopped at step "
                   f"{result.final_step} with a checkpoint in {result.run_dir}; run the same command to resume",
                   flush=True)
-        # not finished: the shell's status for the signal, on every rank (one that did not see
-        # the signal itself stopped with the others at the same step)
-        return 128 + (stop.received or signal.SIGINT)
+        # not finished: the shell's status for the signal, on every rank
+        return 128 + signum
     return 0
 
 
