@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from lowcomm.launch.lock import LOCK_FILE, RunDirLock, RunDirLocked
+from lowcomm.runlock import LOCK_FILE, RunDirLock, RunDirLocked
 
-HOLD = ("import sys, time\nfrom lowcomm.launch.lock import RunDirLock\n"
+HOLD = ("import sys, time\nfrom lowcomm.runlock import RunDirLock\n"
         "with RunDirLock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n")
 
 
@@ -50,7 +50,7 @@ def test_a_holder_in_another_pid_namespace_is_seen_and_its_death_frees_the_lock(
     assert not (tmp_path / LOCK_FILE).exists()
 
 
-TRY = ("import sys\nfrom lowcomm.launch.lock import RunDirLock, RunDirLocked\n"
+TRY = ("import sys\nfrom lowcomm.runlock import RunDirLock, RunDirLocked\n"
        "try:\n    RunDirLock(sys.argv[1]).acquire()\n    print('taken')\nexcept RunDirLocked as exc:\n    print(exc)\n")
 
 

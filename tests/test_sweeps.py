@@ -31,8 +31,8 @@ from lowcomm.config import ConfigError, repo_root
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep, plan_sweep
 from lowcomm.launch.estimate import compute_estimate
-from lowcomm.launch.lock import RunDirLock
 from lowcomm.launch.slurm import PreemptionFlag, Queue, QueuedJob, run_state
+from lowcomm.runlock import RunDirLock
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.metrics import read_metrics
 from runs import (

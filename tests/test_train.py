@@ -181,7 +181,7 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capfd):
 
 def test_a_second_launch_of_a_running_config_fails_at_once_naming_the_owner(tmp_path, capsys):
     from lowcomm.cli.train import main
-    from lowcomm.launch.lock import RunDirLock
+    from lowcomm.runlock import RunDirLock
 
     overrides = [*TINY, "data.train_tokens=65536", "data.val_tokens=4096", f"run_root={tmp_path}",
                  "cluster.workers=2", "train.max_steps=3"]
@@ -196,7 +196,7 @@ def test_a_stale_lock_is_taken_over_with_a_message(tmp_path, capsys):
     import json
     import socket
 
-    from lowcomm.launch.lock import LOCK_FILE, RunDirLock
+    from lowcomm.runlock import LOCK_FILE, RunDirLock
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout)}))

@@ -6,6 +6,7 @@ Under torchrun (RANK/WORLD_SIZE set) it runs as one worker in-process.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 
@@ -61,6 +62,15 @@ def _config_dir_text() -> str:
         return "configs/"
 
 
+class RankEnded(Exception):
+    """Under torchrun, this process (one rank) ended other than finished: its exit status
+    (:func:`lowcomm.train.worker.run_rank`), its line already printed."""
+
+    def __init__(self, exit_status: int):
+        super().__init__(exit_status)
+        self.exit_status = exit_status
+
+
 def run_config(cfg):
     """Validate, then launch according to ``cluster.launcher``; return the run directory."""
     from lowcomm.config import validate
@@ -70,7 +80,8 @@ def run_config(cfg):
     if DistEnv.present():
         from lowcomm.config import ConfigError
         from lowcomm.launch.local import prepare_run_dir
-        from lowcomm.train.loop import train
+        from lowcomm.train.stop import StopFlag
+        from lowcomm.train.worker import run_rank
 
         env = DistEnv.from_environ()
         if env.world_size != run.world_size:
@@ -78,9 +89,13 @@ def run_config(cfg):
             raise ConfigError([f"this process group has {env.world_size} ranks (WORLD_SIZE) but the config's "
                                f"cluster gives {run.world_size}: set cluster.workers (or nodes x tasks_per_node) "
                                "to match the launcher"])
-        if env.rank == 0:
-            prepare_run_dir(run)
-        return train(run, env).run_dir
+        # the same life as a worker's (lowcomm.train.worker.run_rank): a stop signal checkpoints
+        # at the next boundary, rank 0 holds the run directory's lock while it prepares and trains
+        stop = StopFlag.install(signal.SIGINT, signal.SIGTERM)
+        code = run_rank(run, env, stop, before=lambda: prepare_run_dir(run))
+        if code:
+            raise RankEnded(code)
+        return run.run_dir
     if run.cluster.launcher == "local":
         from lowcomm.launch.local import launch_local
 
@@ -105,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from lowcomm.config.compose import compose
     from lowcomm.data.memmap import DataError
     from lowcomm.launch.local import Interrupted, WorkerFailure
-    from lowcomm.launch.lock import RunDirLocked
     from lowcomm.launch.slurm import SlurmUnavailable
     from lowcomm.rundir import CheckpointError, MetricsError
+    from lowcomm.runlock import RunDirLocked
     from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
     from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
     from lowcomm.train.worker import describe_failure
@@ -128,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             print(exc.detail, file=sys.stderr, end="")
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return exc.exit_status
+    except RankEnded as ended:  # under torchrun: a stop signal, a divergence or a lost peer, said
+        return ended.exit_status
     except PeersLost as lost:  # under torchrun: this process is one rank
         if lost.reports:
             print(lost.line(), flush=True)

@@ -32,9 +32,9 @@ from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
-from lowcomm.launch.lock import RunDirLock
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
+from lowcomm.runlock import RunDirLock
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
@@ -173,7 +173,7 @@ def launch_local(run: RunConfig, *, extra_env: dict[str, str] | None = None) -> 
     """Run ``run`` on ``cluster.workers`` local processes; return the run directory.
 
     A finished run (it has its summary) is not started again: rerunning a command changes
-    nothing. The run directory is locked for this launch (:mod:`lowcomm.launch.lock`)."""
+    nothing. The run directory is locked for this launch (:mod:`lowcomm.runlock`)."""
     check_gpus(run)
     check_same_run(run)  # a finished run under the chosen run_name is no answer for a changed config
     run_dir = RunDir(run.run_dir)

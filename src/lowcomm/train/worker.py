@@ -1,5 +1,10 @@
 """One training process: ``python -m lowcomm.train.worker <run_dir>/config.yaml`` with the
 rank and world in its environment (the local launcher, torchrun or a SLURM task sets them).
+:func:`run_rank` is a rank's life whoever started it (this module's ``main``, or
+``lowcomm-train`` under torchrun): Ctrl-C and SIGTERM checkpoint at the next step boundary; the
+run directory's lock is held by rank 0 where no launcher holds it for the ranks (torchrun, one
+node or several: a second launch of the same config, by any launcher, is refused naming the
+first); the exit status says how the rank ended.
 
 A rank that fails ends with one line that says why (:func:`last_words`): a known cause (a
 checkpoint or data file that cannot be used, a file the run cannot write, a bad metrics line)
@@ -10,6 +15,7 @@ consequences (a rank whose peer died reports a lost peer).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,13 +23,16 @@ import signal
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from lowcomm.config import load_run_config, validate
+from lowcomm.config.schema import RunConfig
 from lowcomm.data.memmap import DataError
 from lowcomm.distenv import DistEnv
 from lowcomm.rundir import CheckpointError, MetricsError, resume_note
+from lowcomm.runlock import RunDirLock, RunDirLocked
 from lowcomm.train.loop import EXIT_DIVERGED, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
@@ -33,7 +42,7 @@ from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
 LAUNCHED_LOCALLY = "LOWCOMM_LOCAL_LAUNCHER"
 
 # Failures whose message says all there is to say: no traceback.
-KNOWN_FAILURES = (CheckpointError, DataError, MetricsError, OSError)
+KNOWN_FAILURES = (CheckpointError, DataError, MetricsError, RunDirLocked, OSError)
 
 
 def words_file(directory: str | Path, rank: int) -> Path:
@@ -86,24 +95,37 @@ def main(argv: list[str] | None = None) -> int:
     # systemd, torchrun stopping its workers): checkpoint at the next step boundary; after
     # SIGTERM only if that boundary comes within TERM_BOUNDARY_S (SIGKILL follows).
     stop = StopFlag.install(signal.SIGINT, signal.SIGTERM)
-    run = validate(load_run_config(argv[0]))
-    StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
-                 lambda signum: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
-    try:
-        result = train(run, env, should_stop=stop)
-    except PeersLost as lost:
-        # one line per node instead of a traceback per rank; a rerun resumes from the checkpoint
-        if lost.reports:
-            last_words(env.rank, lost.line().removeprefix("[lowcomm] "), cause=lost.diagnosis.summary(), lost=True)
-        lost.leave()
-        return EXIT_PEERS_LOST
+    return run_rank(validate(load_run_config(argv[0])), env, stop)
+
+
+def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[], object] | None = None) -> int:
+    """Train this rank of ``run`` and return its exit status: 0 finished, 128 + the signal the
+    ranks agreed to stop on (a checkpoint at that boundary), EXIT_DIVERGED, EXIT_PEERS_LOST.
+    ``stop`` (installed by the caller, as early as it can) is the stop request. Rank 0 holds the
+    run directory's lock unless the local launcher, which holds it for its workers, started this
+    rank; ``before`` runs on rank 0 once it holds it (``lowcomm-train`` prepares the run
+    directory there). A lock held by another launch raises RunDirLocked on rank 0."""
+    held_by_launcher = LAUNCHED_LOCALLY in os.environ
+    with RunDirLock(run.run_dir) if env.rank == 0 and not held_by_launcher else contextlib.nullcontext():
+        if before is not None and env.rank == 0:
+            before()
+        StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
+                     lambda signum: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
+        try:
+            result = train(run, env, should_stop=stop)
+        except PeersLost as lost:
+            # one line per node instead of a traceback per rank; a rerun resumes from the checkpoint
+            if lost.reports:
+                last_words(env.rank, lost.line().removeprefix("[lowcomm] "), cause=lost.diagnosis.summary(), lost=True)
+            lost.leave()
+            return EXIT_PEERS_LOST
     if result.diverged is not None:  # rank 0 has printed the line
         return EXIT_DIVERGED
     if result.preempted:
         # the signal the ranks agreed on: a rank that did not see it stopped with the others at
         # the same step, and leaves as the signalled one does (SIGTERM to one worker is SIGTERM)
         signum = result.stop_signal or stop.received or signal.SIGINT
-        if env.rank == 0 and LAUNCHED_LOCALLY not in os.environ:
+        if env.rank == 0 and not held_by_launcher:
             print(f"[lowcomm] interrupted ({signal.Signals(signum).name}): stopped at step "
                   f"{result.final_step} with a checkpoint in {result.run_dir}; run the same command to resume",
                   flush=True)

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from lowcomm.launch.lock import holder as lock_holder
 from lowcomm.rundir import SLURM_DIR, SUBMISSIONS_FILE, RunDir
+from lowcomm.runlock import holder as lock_holder
 
 # squeue states of a job that is, or will be, running (everything else is final).
 PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESV_DEL_HOLD"})

@@ -2,8 +2,10 @@
 
 Two launches of the same config share one run directory (its name is derived from the config).
 Had both trained, their ranks would resume from different checkpoints, deadlock in collectives
-and interleave their metrics. The launcher therefore holds ``<run_dir>/.lock`` while its workers
-run; a second launch fails at once naming the owner.
+and interleave their metrics. Whatever starts the run therefore holds ``<run_dir>/.lock`` while
+it trains: the local launcher for its workers, rank 0 under torchrun
+(:func:`lowcomm.train.worker.run_rank`); a second launch, by either, fails at once naming the
+owner. A foundation module, so that both layers can take it.
 
 The lock is the kernel's: ``flock`` on the open file, which the kernel releases when its holder
 dies, however it dies and in whatever PID namespace it runs (a container, ``unshare --pid``), so
