@@ -220,6 +220,10 @@ def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_
     (["compression=topk", "compression.frac=0.1"], "did you mean compression.fraction?"),
     (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
     (["train.max_steps=many"], "train.max_steps: Value 'many' of type 'str' could not be converted to Integer"),
+    # the papers' letters, as the docs write them (issue 45)
+    (["optimizer=diloco", "optimizer.H=5"], "optimizer.H is not a key of optimizer=diloco; did you mean "
+                                            "optimizer.sync_every?"),
+    (["optimizer=demo", "optimizer.k=4"], "did you mean optimizer.compression_topk?"),
 ])
 def test_typos_and_bad_types_name_the_key(tmp_path, overrides, expected):
     message = _error(tmp_path, *overrides)
@@ -323,3 +327,12 @@ def test_a_bad_override_is_refused_by_either_path(overrides):
     from lowcomm.config.compose import compose
     with pytest.raises(ConfigError):
         compose(overrides)
+
+
+def test_a_misspelt_optimizer_is_one_error_not_two(tmp_path):
+    """optimizer=mulocco with MuLoCo's keys: the option is refused; its keys are not then checked
+    against the default optimizer's (issue 45: a second, spurious "optimizer.sync_every is not a
+    key of optimizer=adamw_ddp")."""
+    message = _error(tmp_path, "optimizer=mulocco", "optimizer.sync_every=10")
+    assert "optimizer=mulocco: configs/optimizer/mulocco.yaml does not exist (did you mean muloco?)" in message
+    assert "sync_every" not in message and message.count("\n  - ") == 1, message

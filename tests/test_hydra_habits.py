@@ -38,6 +38,9 @@ def test_a_comma_list_is_answered_with_the_sweep_file_that_runs_it(argv, tmp_pat
     err = capsys.readouterr().err
     assert "ChoiceSweep" not in err and "unrecognized" not in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "sweep" in line]) == 1
+    flags = [arg for arg in argv if arg.startswith("-")]
+    if flags:  # the flag the user gave is named (issue 45)
+        assert err.startswith(f"lowcomm-train: {flags[0]} (Hydra's multirun) is not lowcomm's: "), err
     sweep = _suggested_sweep(err, tmp_path)
     assert [[o for o in job if not o.startswith("label=")] for job in sweep.jobs] == [
         ["train.max_steps=50", "optimizer=demo"], ["train.max_steps=50", "optimizer=adamw_ddp"]]
@@ -74,3 +77,27 @@ def test_a_key_without_its_section_names_the_key_it_belongs_to(override, meant):
     assert f"did you mean {meant}?" in message
     key = meant.split(" ")[0]
     compose(["optimizer=demo", f"{key}={override.split('=')[1]}"])  # the key it names exists
+
+
+def test_a_comma_list_on_the_sweep_command_line_is_one_line_not_one_per_job(capsys):
+    """The command line's overrides go to every job: a list there was the same 500-character
+    message once per job (8 for the quickstart; issue 45). Said once, with the grid that does it."""
+    from lowcomm.cli.sweep import main as sweep_main
+    with pytest.raises(SystemExit) as exited:
+        sweep_main(["run", "quickstart", "optimizer.lr=0.001,0.002", "seed=3"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "lowcomm-sweep: optimizer.lr=0.001,0.002 on the command line is a list of values, but the command line's "
+        "overrides go to every job of the sweep alike: to run each job with each value, add "
+        "grid: {optimizer.lr: [0.001, 0.002]} to the sweep file")
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun"])
+def test_minus_m_to_lowcomm_sweep_is_named_and_answered(flag, capsys):
+    from lowcomm.cli.sweep import main as sweep_main
+    with pytest.raises(SystemExit) as exited:
+        sweep_main(["submit", "quickstart", flag, "--dry-run"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowcomm-sweep: {flag} (Hydra's multirun) is not needed: lowcomm-sweep runs every job of "
+                          "the sweep file") and "unrecognized" not in err

@@ -688,11 +688,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after the options: argparse leaves those after an option over.
     args, rest = parser.parse_known_args(argv)
+    multirun = [arg for arg in rest if arg in ("-m", "--multirun")]
+    if multirun:  # Hydra's habit, answered with what lowcomm-sweep does instead
+        parser.exit(2, f"{PROG}: {multirun[0]} (Hydra's multirun) is not needed: {PROG} runs every job of the sweep "
+                       "file; to run each job with several values of a key, list them in the file's grid: "
+                       "{KEY: [VALUE, VALUE]}\n")
     unknown = [arg for arg in rest if arg.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if rest:
         args.overrides = [*args.overrides, *rest]
+    if getattr(args, "overrides", None):
+        from lowcomm.config.compose import value_lists
+
+        lists, _ = value_lists(args.overrides)
+        if lists:  # said once, not once per job of the sweep
+            listed = " ".join(f"{key}={','.join(values)}" for key, values in lists.items())
+            grid = ", ".join(f"{key}: [{', '.join(values)}]" for key, values in lists.items())
+            parser.exit(2, f"{PROG}: {listed} on the command line is a list of values, but the command line's "
+                           f"overrides go to every job of the sweep alike: to run each job with each value, add "
+                           f"grid: {{{grid}}} to the sweep file\n")
     try:
         with sigterm_as_interrupt():
             return args.handler(parser, args)

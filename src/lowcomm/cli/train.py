@@ -109,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     multirun = {"-m", "--multirun"} & set(argv)
     if multirun:  # Hydra's habit: answered with the sweep that does it, not "unrecognized arguments"
-        from lowcomm.config.compose import sweep_hint
+        from lowcomm.config.compose import sweep_hint, value_lists
 
-        build_parser().exit(2, f"lowcomm-train: {sweep_hint([a for a in argv if a not in multirun])}\n")
+        rest = [a for a in argv if a not in multirun]
+        # with a list, name the flag too (alone, the hint's "there is no -m" does)
+        named = f"{' / '.join(sorted(multirun, key=len))} (Hydra's multirun) is not lowcomm's: " if value_lists(rest)[0] else ""
+        build_parser().exit(2, f"lowcomm-train: {named}{sweep_hint(rest)}\n")
     args = build_parser().parse_intermixed_args(argv)  # overrides before and after --cfg
     # Late imports: --help above answers without loading torch.
     from omegaconf import OmegaConf

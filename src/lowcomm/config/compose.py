@@ -115,9 +115,9 @@ def _unknown_top_level(key: str) -> str:
     return f"{key} is not a key of the config; did you mean {where}?{note}"
 
 
-def sweep_hint(overrides: Sequence[str]) -> str:
-    """One line for Hydra's multirun habits (``optimizer=demo,adamw_ddp``, ``-m``): lowcomm-train
-    runs one config; the same grid as a sweep file for ``lowcomm-sweep``, written out."""
+def value_lists(overrides: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Hydra's multirun lists among ``overrides`` (``optimizer=demo,adamw_ddp``: key -> values)
+    and the other overrides, in order."""
     parser = OverridesParser.create()
     grid, base = {}, []
     for line in overrides:
@@ -130,6 +130,13 @@ def sweep_hint(overrides: Sequence[str]) -> str:
             grid[override.key_or_group] = [str(value) for value in override.sweep_iterator()]
         else:
             base.append(line)
+    return grid, base
+
+
+def sweep_hint(overrides: Sequence[str]) -> str:
+    """One line for Hydra's multirun habits (``optimizer=demo,adamw_ddp``, ``-m``): lowcomm-train
+    runs one config; the same grid as a sweep file for ``lowcomm-sweep``, written out."""
+    grid, base = value_lists(overrides)
     if not grid:
         return ("there is no -m / --multirun: lowcomm-train runs one config; for several, write a sweep file "
                 "(base: [...], points: or grid: {key: [values]}) and run lowcomm-sweep run FILE "
@@ -153,6 +160,7 @@ def diagnose(overrides: Sequence[str]) -> list[str]:
     groups = group_options()
     errors: list[str] = []
     selections: list[str] = []
+    refused: set[str] = set()  # groups whose option does not exist: their keys are not checked
     dotted = []
     for override in parsed:
         key = override.key_or_group
@@ -168,6 +176,7 @@ def diagnose(overrides: Sequence[str]) -> list[str]:
             if value is not None and value not in groups[head]:
                 errors.append(f"{head}={value}: configs/{head}/{value}.yaml does not exist"
                               f"{did_you_mean(str(value), groups[head])}; choose one of: {', '.join(groups[head])}")
+                refused.add(head)
             else:
                 selections.append(override.input_line)
         elif rest and head in SECTIONS:
@@ -178,6 +187,8 @@ def diagnose(overrides: Sequence[str]) -> list[str]:
         except HydraException:
             return errors
         for head, rest in dotted:
+            if head in refused:  # against the default option's keys, a second, spurious error
+                continue
             known = section_keys(head, base.get(head) or {})
             field = rest.split(".")[0]
             if known is not None and field not in known[0]:

@@ -22,14 +22,12 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lowcomm.config.naming import what_is_trained
+from lowcomm.config.suggest import SHORT_NAMES
 from lowcomm.strategies import STRATEGIES
 
 # How the papers name each optimizer config (each strategy's ``display``).
 OPTIMIZER_NAMES = {name: strategy.display.name for name, strategy in STRATEGIES.items()}
 
-# The papers' letters: DeMo's DCT block side s and coefficients kept per block k, DiLoCo's H inner
-# steps between synchronisations.
-SHORT_NAMES = {"compression_chunk": "s", "chunk": "s", "compression_topk": "k", "topk": "k", "sync_every": "H"}
 # More differing values than this make a label unreadable (reports then name the run directory).
 MAX_DETAILS = 3
 

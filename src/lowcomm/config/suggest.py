@@ -8,10 +8,19 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
+# The papers' letters for keys: DeMo's DCT block side s and coefficients kept per block k,
+# DiLoCo's H inner steps between synchronisations. Labels write them; a key given by its letter
+# (``optimizer.H=30``, as the docs and the papers say it) is answered with the key it stands for.
+SHORT_NAMES = {"compression_chunk": "s", "chunk": "s", "compression_topk": "k", "topk": "k", "sync_every": "H"}
+
 
 def closest(key: str, candidates: Sequence[str]) -> str | None:
-    """The candidate ``key`` most likely stands for: a close spelling, else the one candidate
-    that contains it (``topk`` for ``compression_topk``)."""
+    """The candidate ``key`` most likely stands for: the key a paper's letter names (``H`` for
+    ``sync_every``), a close spelling, else the one candidate that contains it (``topk`` for
+    ``compression_topk``)."""
+    lettered = [c for c in candidates if SHORT_NAMES.get(c) == key]
+    if lettered:
+        return lettered[0]
     close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
     if close:
         return close[0]
