@@ -81,7 +81,7 @@ def test_an_id_out_of_the_vocabulary_near_the_end_of_a_file_is_refused_before_sp
                  f"data.val_paths=[{val}]"])
 
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2  # bad input, as a bad config is (issue 45: it was 1)
     assert f"data.paths: {train} holds token id 50,000 (first at token {LONG - 10:,} of {LONG:,})" in err
     assert "model=tiny takes ids below 257" in err
     assert "model=olmo_1b or model=olmo_300m" in err  # the models whose tokenizer holds it

@@ -263,7 +263,7 @@ def _submit(_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except DataError as exc:  # the data does not fit the model: refused before submitting
             print(f"{PROG}: {job.run.run_name}: {exc}", file=sys.stderr)
             print(f"{PROG}: stopped after {outcomes['submitted']} submissions", file=sys.stderr)
-            return 1
+            return 2
         outcomes[submission.action] += 1
         asked = ""
         if submission.action == "submitted":

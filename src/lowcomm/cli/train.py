@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunDiverged as exc:  # a rerun of a run that diverged
         print(exc, flush=True)
         return EXIT_DIVERGED
-    except (SlurmUnavailable, RunDirLocked, DataError, MetricsError, CheckpointError) as exc:
+    except DataError as exc:  # data that does not fit the run: bad input, as a bad config is
+        print(f"lowcomm-train: {exc}", file=sys.stderr)
+        return 2
+    except (SlurmUnavailable, RunDirLocked, MetricsError, CheckpointError) as exc:
         print(f"lowcomm-train: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # a file the run needs or writes: a read-only or full disk, a missing file
