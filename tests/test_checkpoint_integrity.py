@@ -176,3 +176,21 @@ def test_an_unreadable_summary_is_named_in_one_line_and_the_run_resumes_from_its
     assert "Traceback" not in out + err and "resuming from step_000000004" in out
     restored = RunDir(run.run_dir).read_summary()
     assert restored["final_val_loss"] == json.loads((pristine / "summary.json").read_text())["final_val_loss"]
+
+
+def test_a_resume_on_another_number_of_workers_is_refused_once_before_spawning(finished_run, capfd):
+    """It was refused by every rank for every checkpoint, after they had started (issue 45)."""
+    from lowcomm.config import ConfigError
+
+    run, pristine = finished_run
+    _fresh(run, pristine)
+    other = tiny_run(run.run_root, "train.checkpoint_every=2", "train.keep_checkpoints=3", f"run_name={run.run_name}",
+                     workers=1, max_steps=4)
+    assert other.run_dir == run.run_dir
+    with pytest.raises(ConfigError) as refused:
+        launch_local(other)
+    assert refused.value.errors == [
+        f"{run.run_dir}'s newest checkpoint (step_000000004) was written by 2 ranks and this run has 1: resume with "
+        "cluster.workers (or nodes x tasks_per_node) = 2; per-rank state cannot be split among another number of ranks"]
+    out, err = capfd.readouterr()
+    assert "unusable" not in out + err  # no worker started to find it

@@ -35,6 +35,7 @@ from lowcomm.data import materialize
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.runlock import RunDirLock
+from lowcomm.train.checkpoint import TRAINER_FILE
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
@@ -202,8 +203,25 @@ def prepare_run_dir(run: RunConfig) -> Path:
     resuming = bool(list_checkpoints(RunDir(run.run_dir).checkpoints))
     if resuming:
         check_resumable(run.run_dir)
+        check_world_size(run)
     check_run_data(run, files, resuming=resuming)
     return write_run_config(run)
+
+
+def check_world_size(run: RunConfig) -> None:
+    """Before a resume spawns anything: the newest checkpoint was written by as many ranks as
+    this run has (its per-rank state cannot be split among another number), refused once, as a
+    config error, instead of by every rank for every checkpoint after they started. A
+    checkpoint whose record cannot be read is the workers' to judge (and fall back from)."""
+    newest = list_checkpoints(RunDir(run.run_dir).checkpoints)[0]
+    try:
+        written_by = json.loads((newest / TRAINER_FILE).read_text())["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if written_by != run.world_size:
+        raise ConfigError([f"{run.run_dir}'s newest checkpoint ({newest.name}) was written by {written_by} ranks and "
+                           f"this run has {run.world_size}: resume with cluster.workers (or nodes x tasks_per_node) = "
+                           f"{written_by}; per-rank state cannot be split among another number of ranks"])
 
 
 def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
