@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.data.synthetic import mount_point
 from lowcomm.rundir import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -55,6 +56,7 @@ from lowcomm.rundir import (
     read_manifest,
     step_dir_name,
 )
+from lowcomm.units import decimal_bytes
 
 OPTIM_FILE = "optim.pt"  # optimizer state the same on every rank, written once
 
@@ -301,13 +303,22 @@ def _write_through(path: Path, write) -> dict:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"writing {path} failed: {exc.strerror or exc}"
-                              + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")) from exc
+        cause = _no_space(path.parent) if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        raise CheckpointError(f"writing {path} failed: {cause}") from exc
     except RuntimeError as exc:  # torch.save reports a failed write of its zip stream this way
         tmp.unlink(missing_ok=True)
+        # its words are the zip writer's ("[enforce fail at inline_container.cc:672] . unexpected
+        # pos ..."): where the disk is full, say that instead
         full = shutil.disk_usage(path.parent).free < (1 << 20)
-        raise CheckpointError(f"writing {path} failed: {exc}" + (" (the disk is full)" if full else "")) from exc
+        raise CheckpointError(f"writing {path} failed: " + (_no_space(path.parent) if full else " ".join(str(exc).split()))) from exc
     return {"size": writer.size, "sha256": writer.digest.hexdigest()}
+
+
+def _no_space(directory: Path) -> str:
+    """The disk is full, said with what is left on it and where it is mounted."""
+    usage = shutil.disk_usage(directory)
+    return (f"no space left on the device ({decimal_bytes(usage.free)} free of {decimal_bytes(usage.total)} on the "
+            f"filesystem mounted at {mount_point(directory)}); free some space, or set run_root to another disk")
 
 
 def _atomic_save(obj: Any, path: Path) -> dict:
