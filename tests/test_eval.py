@@ -291,6 +291,23 @@ def test_checkpoint_loading_restores_weights_and_names_bad_files(tmp_path):
         load_checkpoint_model(checkpoint)
 
 
+def test_a_checkpoint_of_another_model_is_one_line_naming_what_differs(tmp_path):
+    """It was load_state_dict's 10-line list of every tensor (issue 45)."""
+    run = tmp_path / "run"
+    make_run(run, step=3)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["d_model"] = 128  # the config of another model than the one saved
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (checkpoint,) = select_checkpoints(run)
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint_model(checkpoint)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{checkpoint.path / 'model.pt'} does not fit model=tiny of "
+                                                      f"{run / 'config.yaml'}: ")
+    assert "tensors have other shapes (first transformer.wte.weight: (384, 64) in the checkpoint, (384, 128) in " \
+           "the model)" in message and message.endswith("; was it written by another run?")
+
+
 # ------------------------------------------------------------------------ end to end
 def expected_arc_scores(model, n_docs: int, max_length: int) -> tuple[float, float]:
     """acc and acc_norm of the first ``n_docs`` ARC-Easy validation questions, re-derived from

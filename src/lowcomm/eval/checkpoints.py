@@ -125,10 +125,27 @@ def load_checkpoint_model(
         raise CheckpointError(f"{checkpoint.model_file} cannot be loaded: {exc}") from exc
     # The weights are overwritten right away, so the seeded initialisation is skipped.
     model = build_model(spec, device, seed=None)
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"{checkpoint.model_file} does not fit the model in {checkpoint.run_dir / CONFIG_FILE}: {exc}"
-        ) from exc
+    misfit = _misfit(state_dict, model.state_dict())
+    if misfit:
+        raise CheckpointError(f"{checkpoint.model_file} does not fit model={spec.name} of "
+                              f"{checkpoint.run_dir / CONFIG_FILE}: {misfit}; was it written by another run?")
+    model.load_state_dict(state_dict)
     return model.eval()
+
+
+def _misfit(saved: dict, expected: dict) -> str | None:
+    """How a checkpoint's tensors differ from a model's, in one clause: how many differ in
+    shape, the first of them, and the names only one of the two has; None where they fit."""
+    shapes = [(name, tuple(saved[name].shape), tuple(tensor.shape)) for name, tensor in expected.items()
+              if name in saved and tuple(saved[name].shape) != tuple(tensor.shape)]
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    parts = []
+    if shapes:
+        name, theirs, ours = shapes[0]
+        parts.append(f"{len(shapes)} of its {len(saved)} tensors have other shapes (first {name}: {theirs} in the "
+                     f"checkpoint, {ours} in the model)")
+    if missing:
+        parts.append(f"{len(missing)} of the model's tensors are missing (first {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} are not the model's (first {unexpected[0]})")
+    return "; ".join(parts) or None
