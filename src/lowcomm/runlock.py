@@ -44,6 +44,7 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
         self.owner = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+                      "pid_namespace": _pid_namespace(),
                       "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
         self._descriptor: int | None = None
         self._made_dir = False
@@ -123,11 +124,24 @@ def _read(descriptor: int) -> str:
     return os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
 
 
+def _pid_namespace() -> int | None:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), which tells whose pid a
+    recorded pid is: one in a container's namespace means nothing outside it."""
+    with contextlib.suppress(OSError):
+        return os.stat("/proc/self/ns/pid").st_ino
+    return None
+
+
 def _describe(content: str) -> str:
-    """``pid 123 on host (boot 1a2b3c4d) since ...`` from a lock file's content."""
+    """``pid 123 on host (boot 1a2b3c4d) since ...`` from a lock file's content; a pid of another
+    PID namespace than this process's (a container, ``unshare --pid``) is said to be one."""
     try:
         owner = json.loads(content)
-        return (f"pid {owner['pid']} on {owner['host']} (boot {str(owner.get('boot_id', '?'))[:8]}) "
+        pid = f"pid {owner['pid']}"
+        theirs = owner.get("pid_namespace")
+        if theirs is not None and theirs != _pid_namespace():
+            pid += " in another PID namespace (a container's, say)"
+        return (f"{pid} on {owner['host']} (boot {str(owner.get('boot_id', '?'))[:8]}) "
                 f"since {owner.get('since', '?')}")
     except (ValueError, KeyError, TypeError):
         return "an unknown launch (its lock file is unreadable)"
