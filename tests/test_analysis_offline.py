@@ -61,8 +61,9 @@ def test_a_copied_sweep_builds_its_table_and_figures_without_its_data(tmp_path, 
     cluster_file.write_text(yaml.safe_dump({"base": ["experiment=paper_ablation_300m"], "points": JOBS}))
     found = select_by_sweep(str(cluster_file), [f"run_root={laptop_root}", "experiment_name=default"])
     assert found.missing == [] and [run.path for run in found.runs] == [run.path for run in selection.runs]
-    (header, *listed) = found.found_lines()
-    assert header.startswith("2 jobs found by their runs' recorded configs") and "data.paths" in header
+    (header, *listed) = found.found_lines(verbose=True)
+    assert header.startswith("note: 2 jobs found by their runs' recorded configs") and "data.paths" in header
+    assert found.found_lines() == [header.replace("they ran with; ", "they ran with; --verbose lists them; ")]
     assert listed == [f"  job {number} ({run.label}: {' '.join(job)}): {run.path}"
                       for number, (job, run) in enumerate(zip(JOBS, found.runs, strict=True), start=1)]
     assert select_by_sweep(str(sweep), [f"run_root={laptop_root}"]).found_by_config == []  # exact: nothing to say

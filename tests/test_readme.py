@@ -68,7 +68,8 @@ def test_the_readme_commands_run_as_written():
     assert "[my_sweep] 3 groups of 1 to 2 seeds, 5 runs" in result.stdout
     assert "| 1 seed: no verdict |" in result.stdout and "| baseline |" in result.stdout
     assert "total: 5 jobs, " in result.stdout and "sweep my_sweep: 5 jobs, 1 selected (--only)" in result.stdout
-    assert "5 jobs found by their runs' recorded configs" in result.stderr
+    assert "note: 5 jobs found by their runs' recorded configs" in result.stderr
+    assert "  job 1 (" not in result.stderr  # one line, the jobs on request (--verbose; issue 45)
     assert "| tiny | DeMo s=64 k=2 |" in result.stdout and "loss_vs_mb.png" in result.stdout
     # lowcomm-eval on the tiny run: the label and chance row, then the rerun's reuse, then --force
     assert "AdamW-DDP" in result.stdout and "chance: the accuracy of a uniform guess" in result.stdout

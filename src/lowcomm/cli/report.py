@@ -32,6 +32,8 @@ def _selection_parser(prog: str, description: str, *, figures: bool = True) -> a
                         help="with --sweep: a Hydra override added to every job, as at launch (repeatable)")
     parser.add_argument("--run-root", help="with --sweep: where the runs are (same as --override run_root=DIR)")
     parser.add_argument("--out", type=Path, help="output directory (default: results/<sweep> or results/report)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="with --sweep: list each job whose run was found by its recorded config")
     if figures:
         parser.add_argument("--formats", nargs="+", choices=["png", "pdf", "svg"],
                             help="figure formats (default: png and pdf)")
@@ -59,7 +61,7 @@ def _select(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
     else:
         selection = select_by_globs(args.runs)
         default_out = repo_root() / "results" / "report"
-    for line in selection.found_lines():
+    for line in selection.found_lines(verbose=args.verbose):
         print(line, file=sys.stderr)
     for missing in selection.missing:
         print(f"missing: {missing}", file=sys.stderr)

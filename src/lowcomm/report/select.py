@@ -34,17 +34,18 @@ class Selection:
     # jobs whose run was found by its recorded config: (the job, its run, the keys they differ in)
     found_by_config: list[tuple[str, Path, list[str]]] = field(default_factory=list)
 
-    def found_lines(self) -> list[str]:
-        """What was found by recorded config, and how those runs differ from the jobs as composed
-        here (the keys, once for all: mostly the overrides the sweep ran with)."""
+    def found_lines(self, verbose: bool = False) -> list[str]:
+        """What was found by recorded config, in one line: how many jobs, and the keys their runs
+        differ in from the jobs as composed here (once for all: mostly the overrides the sweep
+        ran with); with ``verbose`` each job and its run below it."""
         if not self.found_by_config:
             return []
         keys = list(dict.fromkeys(key for _job, _path, differs in self.found_by_config for key in differs))
         shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-        return [f"{len(self.found_by_config)} jobs found by their runs' recorded configs (not at the run directories "
-                f"composed here: the runs differ from the jobs as composed here in {shown or 'nothing trained'}; "
-                "--override the sweep's own to match them exactly):",
-                *(f"  {job}: {path}" for job, path, _differs in self.found_by_config)]
+        header = (f"note: {len(self.found_by_config)} jobs found by their runs' recorded configs, which differ from "
+                  f"the jobs as composed here in {shown or 'nothing trained'} (the overrides they ran with; "
+                  f"{'' if verbose else '--verbose lists them; '}--override the same to match them exactly)")
+        return [header, *(f"  {job}: {path}" for job, path, _differs in self.found_by_config)] if verbose else [header]
 
 
 def select_by_globs(patterns: list[str]) -> Selection:
