@@ -100,6 +100,19 @@ def as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def first_metrics(proc: subprocess.Popen, experiment_dir: Path, timeout_s: float = 240) -> Path:
+    """The metrics file of the one run under ``experiment_dir`` (``<run_root>/default``) once
+    ``proc``, which trains it, has logged a step: the moment a signal test sends its signal.
+    Fails with the process's output if it ends or the deadline passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = sorted(experiment_dir.glob("*/metrics.jsonl")) if experiment_dir.exists() else []
+        if found and read_metrics(found[0]):
+            return found[0]
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
 def micro_sweep_overrides(run_root: Path) -> list[str]:
     """Overrides that shrink a quickstart-based sweep to seconds per run (2 workers, 4 sequences
     of 64 tokens per step, a 32k-token corpus), for end-to-end tests of the sweep drivers."""

@@ -18,7 +18,7 @@ import pytest
 from lowcomm.launch.local import TERM_GRACE_S, interrupt_grace_s
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, as_in_a_terminal, tiny_run
+from runs import TINY, as_in_a_terminal, first_metrics, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +35,7 @@ def _start(tmp_path: Path, *extra: str, **popen) -> tuple[subprocess.Popen, Path
     popen.setdefault("preexec_fn", as_in_a_terminal)
     proc = subprocess.Popen(_command(tmp_path, *extra), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **popen)
-    deadline = time.monotonic() + 240
-    metrics = None
-    while metrics is None or not read_metrics(metrics):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        found = list((tmp_path / "default").glob("*/metrics.jsonl")) if (tmp_path / "default").exists() else []
-        metrics = found[0] if found else None
-        time.sleep(0.05)
-    return proc, metrics
+    return proc, first_metrics(proc, tmp_path / "default")
 
 
 def _workers(config: Path) -> list[int]:

@@ -53,8 +53,8 @@ def test_a_setting_beyond_the_method_name_is_shown_and_seeds_are_not(tmp_path):
           seed: [0, 1]
         """)
     labels = _labels(sweep)
-    assert labels == ["DiLoCo outer_lr=0.7 H=10", "DiLoCo outer_lr=0.7 H=10",
-                      "DiLoCo outer_lr=0.5 H=50", "DiLoCo outer_lr=0.5 H=50", "AdamW-DDP", "AdamW-DDP"]
+    # H defines the method as configured: in its label whatever varies (issue 45)
+    assert labels == ["DiLoCo H=10", "DiLoCo H=10", "DiLoCo H=50", "DiLoCo H=50", "AdamW-DDP", "AdamW-DDP"]
 
 
 def test_a_label_template_and_a_points_own_label(tmp_path):
@@ -185,3 +185,20 @@ def test_one_run_name_for_jobs_that_train_different_things_is_refused(tmp_path):
                                           r"\(run_name=mine\) although it changes optimizer.name: 'adamw_ddp' -> "
                                           r"'demo'.*give each job its own run_name, or none"):
         plan_sweep(sweep, check_data_files=False)
+
+
+@pytest.mark.parametrize("overrides, label", [
+    (["optimizer=muloco", "compression=quantize"], "MuLoCo 2-bit H=30"),
+    (["optimizer=diloco", "optimizer.sync_every=5"], "DiLoCo H=5"),
+    (["optimizer=diloco", "compression=quantize", "compression.bits=4"], "DiLoCo 4-bit H=10"),
+    (["optimizer=demo", "optimizer.compression_topk=8"], "DeMo s=64 k=8"),
+    (["optimizer=adamw_ddp"], "AdamW-DDP"),
+])
+def test_a_methods_label_carries_its_defining_constants(overrides, label):
+    """The bits, H and s/k that define a method as configured are in its label even where no
+    other job of the sweep shares its name (issue 45: a lone MuLoCo 2-bit H=10 was "MuLoCo")."""
+    from omegaconf import OmegaConf
+
+    from lowcomm.config.compose import compose
+    from lowcomm.config.labels import method_label
+    assert method_label(OmegaConf.to_container(compose(overrides), resolve=True)) == label

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from lowcomm.rundir import RunDir, list_checkpoints
 from lowcomm.runlock import RunDirLock
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, tiny_run
+from runs import TINY, first_metrics, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +52,7 @@ def test_sigterm_under_torchrun_checkpoints_at_the_next_step_and_the_rerun_resum
     command = _torchrun("-m", "lowcomm.cli.train", *_overrides(tmp_path, "train.max_steps=60"))
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 240
-    metrics = None
-    while metrics is None or not read_metrics(metrics):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        found = list((tmp_path / "default").glob("*/metrics.jsonl")) if (tmp_path / "default").exists() else []
-        metrics = found[0] if found else None
-        time.sleep(0.05)
+    metrics = first_metrics(proc, tmp_path / "default")
     proc.send_signal(signal.SIGTERM)  # torchrun alone, as kill, systemd or a scheduler does
     out, _ = proc.communicate(timeout=120)
 

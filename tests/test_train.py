@@ -18,7 +18,7 @@ from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model, count_parameters
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from runs import TINY, as_in_a_terminal, tiny_run, train_in_workers
+from runs import TINY, as_in_a_terminal, first_metrics, tiny_run, train_in_workers
 
 pytestmark = pytest.mark.slow
 
@@ -138,12 +138,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_says_where_in_one_line(tmp_path
     command = _train_cmd(tmp_path, "train.checkpoint_every=0")
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=as_in_a_terminal)
-    deadline = time.monotonic() + 240
-    metrics = None
-    while metrics is None or not read_metrics(metrics):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        metrics = next((tmp_path / "default").glob("*/metrics.jsonl"), None) if (tmp_path / "default").exists() else None
-        time.sleep(0.05)
+    metrics = first_metrics(proc, tmp_path / "default")
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=240)
 

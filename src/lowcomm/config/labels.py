@@ -42,11 +42,22 @@ def dct_setting(config: Mapping[str, Any], field: str) -> Any:
 
 
 def method_label(config: Mapping[str, Any]) -> str:
-    """The optimizer's display name, with ``s=`` and ``k=`` for a run that sends DCT top-k."""
-    optimizer = (config.get("optimizer") or {}).get("name", "?")
-    name = OPTIMIZER_NAMES.get(optimizer, optimizer)
+    """The optimizer's display name and the constants that define the method as configured,
+    as the papers write them: the bits of a quantized exchange (``2-bit``), the inner steps
+    between synchronisations (``H=10``), and ``s=`` and ``k=`` for a run that sends DCT top-k
+    (``MuLoCo 2-bit H=10``, ``DeMo s=64 k=8``)."""
+    optimizer = config.get("optimizer") or {}
+    name = OPTIMIZER_NAMES.get(optimizer.get("name", "?"), optimizer.get("name", "?"))
+    compression = config.get("compression") or {}
+    parts = [name]
+    if compression.get("name") == "quantize" and compression.get("bits") is not None:
+        parts.append(f"{compression['bits']}-bit")
+    if optimizer.get("sync_every") is not None:
+        parts.append(f"{SHORT_NAMES['sync_every']}={optimizer['sync_every']}")
     topk = dct_setting(config, "topk")
-    return f"{name} s={dct_setting(config, 'chunk')} k={topk}" if topk is not None else name
+    if topk is not None:
+        parts.append(f"s={dct_setting(config, 'chunk')} k={topk}")
+    return " ".join(parts)
 
 
 def run_label(config: Mapping[str, Any]) -> str:
@@ -112,9 +123,11 @@ def distinct_labels(configs: Sequence[Mapping[str, Any]], labels: Sequence[str] 
         differing = differing_keys([configs[i] for i in group], ignore)
         short = _short_names(differing)
         for i in group:
-            if differing and (max_details is None or len(differing) <= max_details):
-                flat = _distinguishing(configs[i])
-                detail = " ".join(f"{short[key]}={format_value(flat.get(key))}" for key in differing)
+            flat = _distinguishing(configs[i])
+            # a value the label already shows (a method's H) is not said twice
+            shown = [key for key in differing if f"{short[key]}={format_value(flat.get(key))}" not in label.split()]
+            if shown and (max_details is None or len(shown) <= max_details):
+                detail = " ".join(f"{short[key]}={format_value(flat.get(key))}" for key in shown)
             elif fallbacks is not None:
                 detail = fallbacks[i]
             else:
