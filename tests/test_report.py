@@ -15,6 +15,7 @@ import math
 import random
 from pathlib import Path
 
+import matplotlib.colors as mcolors
 import pytest
 import yaml
 
@@ -574,3 +575,79 @@ def test_table1_given_figure_options_says_where_they_belong(capsys):
     with pytest.raises(SystemExit):
         table1_main(["--runs", "nothing*", "--bogus"])
     assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --bogus")
+
+
+# ----------------------------------------------------------------------------- groups over seeds
+def _seeded(label: str, optimizer: str, mb: float, losses: list[float], **optimizer_keys) -> list[RunRecord]:
+    """One group's runs: the same config and label, one run per seed."""
+    runs = []
+    for seed, loss in enumerate(losses):
+        config = {"model": {"name": "tiny"}, "optimizer": {"name": optimizer, **optimizer_keys},
+                  "compression": {"name": "none"}, "label": label, "seed": seed}
+        runs.append(RunRecord(Path(f"{label}-{seed}"), config,
+                              [{"step": 1, "val/loss": loss, "comm/cum_payload_MB": mb}],
+                              {"payload_MB_per_step": mb, "final_val_loss": loss}))
+    return runs
+
+
+def test_loss_vs_mb_plots_each_group_at_its_seed_mean_and_takes_the_front_over_groups(tmp_path, monkeypatch):
+    """Issue 45: the front was over single seeds, so one lucky seed put a group on it. Each group
+    is one point at its seeds' mean with a bar from the lowest to the highest; the front is over
+    the groups' means."""
+    adamw = _seeded("AdamW-DDP", "adamw_ddp", 0.3, [2.98, 3.02])
+    demo = _seeded("DeMo s=64 k=8", "demo", 0.004, [3.2, 3.4])
+    cheap = _seeded("SparseLoCo", "sparseloco", 0.001, [3.5, 3.5])
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, adamw + demo + cheap, tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    filled = sorted(tuple(c.get_offsets()[0]) for c in ax.collections if hasattr(c, "get_sizes")
+                    and c.get_offsets().shape[0] == 1 and c.get_facecolor().size and c.get_sizes()[0] == 60)
+    assert filled == [(0.001, pytest.approx(3.5)), (0.004, pytest.approx(3.3)), (0.3, pytest.approx(3.0))]
+    # a bar from the lowest seed to the highest
+    bars = [segment for c in ax.collections if c.__class__.__name__ == "LineCollection" for segment in c.get_segments()]
+    assert sorted((seg[0][1], seg[1][1]) for seg in bars) == [pytest.approx((2.98, 3.02)), pytest.approx((3.2, 3.4)),
+                                                              pytest.approx((3.5, 3.5))]
+    (front,) = [line for line in ax.get_lines() if line.get_label() == "Pareto front (all bytes)"]
+    assert list(front.get_xdata()) == [0.001, 0.004, 0.3]  # every group is on this front: each is cheaper
+    assert [t.get_text() for t in ax.texts][:1] == ["AdamW-DDP (2 seeds)"]
+    assert "mean over seeds; bar: min to max" in ax.get_ylabel()
+
+    # DeMo's seeds (2.9, 3.3; mean 3.1) at more bytes than AdamW-DDP (mean 3.0): its seed 2.9
+    # alone would be on the front, the group's mean is not
+    lucky = _seeded("DeMo s=64 k=8", "demo", 0.4, [2.9, 3.3])
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, adamw + lucky, tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    assert not [line for line in ax.get_lines() if line.get_label() == "Pareto front (all bytes)"]
+    rings = [c for c in ax.collections if hasattr(c, "get_sizes") and c.get_sizes().size and c.get_sizes()[0] == 150]
+    assert [tuple(c.get_offsets()[0]) for c in rings] == [(0.3, pytest.approx(3.0))]
+    # a front of one point draws no line, and no legend entry says there is one
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "Pareto front (all bytes)" not in legend and "the Pareto front (one point)" in legend
+
+
+def test_groups_of_one_method_differ_in_marker_and_legend_and_keep_their_colour_everywhere(tmp_path, monkeypatch):
+    """Issue 45: DiLoCo H=5 and H=10 shared one marker and one legend entry and differed by a
+    shade; AdamW-DDP was another blue in the seed-band figure than in the others."""
+    from lowcomm.report.figures import plot_seed_bands, run_colors, run_fills
+
+    adamw = _seeded("AdamW-DDP", "adamw_ddp", 0.3, [3.0, 3.02])
+    h5 = _seeded("DiLoCo H=5", "diloco", 0.06, [3.1, 3.12], sync_every=5)
+    h10 = _seeded("DiLoCo H=10", "diloco", 0.03, [3.2, 3.21], sync_every=10)
+    runs = adamw + h5 + h10
+    fills = run_fills(runs)
+    assert [fills[id(run)] for run in runs] == ["full"] * 4 + ["left"] * 2
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert {"AdamW-DDP", "DiLoCo H=5", "DiLoCo H=10"} <= set(legend) and "DiLoCo" not in legend
+    half = [c for c in fig.axes[0].collections if c.get_offsets().shape[0] == 1
+            and tuple(c.get_offsets()[0]) == (0.03, pytest.approx(3.205))]
+    assert len(half) == 2  # the outline, then the half-filled marker
+
+    colors = run_colors(runs)
+    assert colors[id(adamw[0])] == colors[id(adamw[1])] and colors[id(h5[0])] != colors[id(h10[0])]
+    drawn_colors = {}
+    fig, _ = drawn(monkeypatch, plot_seed_bands, [("AdamW-DDP", adamw), ("DiLoCo H=5", h5), ("DiLoCo H=10", h10)],
+                   tmp_path, formats=("png",))
+    for line in fig.axes[0].get_lines():
+        drawn_colors.setdefault(line.get_label().split(" (")[0], line.get_color())
+    assert mcolors.to_rgb(drawn_colors["AdamW-DDP"]) == pytest.approx(colors[id(adamw[0])])
+    assert mcolors.to_rgb(drawn_colors["DiLoCo H=10"]) == pytest.approx(colors[id(h10[0])])

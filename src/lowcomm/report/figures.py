@@ -3,7 +3,8 @@
 - :func:`plot_loss_curves`: loss against steps and against cumulative MB sent (the DeMo paper's
   Figure 2), one line per run;
 - :func:`plot_loss_vs_mb`: final validation loss (or perplexity) against MB/step on a log axis,
-  one marker per optimizer family, with the Pareto front drawn (the paper's Figure 4);
+  one point per group of runs that differ only in their seed (the mean, a bar from the lowest
+  seed to the highest), with the Pareto front over the groups drawn (the paper's Figure 4);
 - :func:`plot_loss_vs_wallclock`: validation loss against estimated wall-clock time, one panel
   per network link (:mod:`lowcomm.report.wallclock`).
 
@@ -13,23 +14,31 @@ Every figure and table puts a run at the same bytes: its payload, all of it, per
 one, a note in the legend. Where every run shares the synthetic corpus's Bayes floor, validation
 losses are drawn as the excess over it (log axis): the gaps that matter are not squeezed into
 the top of an axis that starts at the floor.
+
+A method has one colour and one marker shape in every figure (its strategy's ``display``). Its
+groups (DiLoCo H=5 and H=10; the seeds of one are one group) are told apart by shades of that
+colour and by how the marker is filled (full, left half, top half, ...), the same in every
+figure built from the same runs.
 """
 
 from __future__ import annotations
 
 import colorsys
 import math
+import statistics
 from pathlib import Path
 
 import matplotlib
 import matplotlib.colors as mcolors
 import matplotlib.ticker as mticker
+from matplotlib.markers import MarkerStyle
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lowcomm.report.pareto import loss_mb_points, pareto_runs  # noqa: E402
+from lowcomm.report.pareto import loss_mb_points, pareto_front  # noqa: E402
 from lowcomm.report.runs import OPTIMIZER_NAMES, RunRecord, distinct_labels  # noqa: E402
+from lowcomm.report.seeds import seed_groups  # noqa: E402
 from lowcomm.report.wallclock import Timeline  # noqa: E402
 from lowcomm.strategies import STRATEGIES  # noqa: E402
 
@@ -47,19 +56,37 @@ TX_PER_STEP = f"Tx MB/step per worker (payload; {MB})"
 CUMULATIVE_TX = f"cumulative Tx MB per worker (payload; {MB})"
 
 
+# How the marker of a method's second, third, ... group is filled (its first: full).
+VARIANT_FILLS = ("full", "left", "top", "right", "bottom")
+
+
+def _family_groups(runs: list[RunRecord]) -> dict[str, list[list[RunRecord]]]:
+    """Each family's groups of runs (:func:`seed_groups`), in the order first seen."""
+    families: dict[str, list[list[RunRecord]]] = {}
+    for group in seed_groups(runs):
+        families.setdefault(group.runs[0].optimizer, []).append(group.runs)
+    return families
+
+
 def run_colors(runs: list[RunRecord]) -> dict[int, tuple[float, float, float]]:
     """One colour per run, the same in every figure: its family's colour, in shades from dark to
-    light when a family has several runs (DeMo k=32 and k=4), in the order the runs are given."""
+    light when a family has several groups (DeMo k=32 and k=4), in the order the groups are
+    first seen; the seeds of a group share one."""
     colors: dict[int, tuple[float, float, float]] = {}
-    families: dict[str, list[RunRecord]] = {}
-    for run in runs:
-        families.setdefault(run.optimizer, []).append(run)
-    for family, members in families.items():
+    for family, groups in _family_groups(runs).items():
         hue, lightness, saturation = colorsys.rgb_to_hls(*mcolors.to_rgb(FAMILY_COLORS.get(family, "0.4")))
-        for index, run in enumerate(members):
-            shade = 0.0 if len(members) == 1 else (index / (len(members) - 1) - 0.5) * 0.35
-            colors[id(run)] = colorsys.hls_to_rgb(hue, min(max(lightness + shade, 0.15), 0.8), saturation)
+        for index, group in enumerate(groups):
+            shade = 0.0 if len(groups) == 1 else (index / (len(groups) - 1) - 0.5) * 0.35
+            color = colorsys.hls_to_rgb(hue, min(max(lightness + shade, 0.15), 0.8), saturation)
+            colors.update({id(run): color for run in group})
     return colors
+
+
+def run_fills(runs: list[RunRecord]) -> dict[int, str]:
+    """How each run's marker is filled (:data:`VARIANT_FILLS`): full for a family's first group,
+    a half for each further one, so that groups of one method differ by more than a shade."""
+    return {id(run): VARIANT_FILLS[index % len(VARIANT_FILLS)]
+            for groups in _family_groups(runs).values() for index, group in enumerate(groups) for run in group}
 
 
 def _legend_outside(ax) -> None:
@@ -213,7 +240,7 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
     quantity = key.replace("/", " ").replace("loss", "perplexity" if perplexity else "loss")
     floor = shared_floor(runs) if key.startswith("val/") and not perplexity else None
     labels = distinct_labels(runs)
-    colors = run_colors(runs)
+    colors, fills = run_colors(runs), run_fills(runs)
     written = []
     for stem, xlabel in (("loss_vs_step", "optimizer step"), ("loss_vs_cum_MB", CUMULATIVE_TX)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -229,7 +256,7 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
             plotted += y
             split = stem == "loss_vs_cum_MB" and _splits(run)
             style = {"marker": FAMILY_MARKERS.get(run.optimizer, "."), "markevery": max(len(x) // 6, 1), "ms": 5,
-                     "color": colors[id(run)]}
+                     "color": colors[id(run)], "fillstyle": fills[id(run)]}
             ax.plot(x, y, lw=1.4, label=f"{label}{ALL_BYTES if split else ''}", **style)
             if split:
                 _inter_node_curve(ax, run.cumulative_mb_at(steps, inter_node=True), x, y, label, style)
@@ -264,47 +291,81 @@ def _inter_node_curve(ax, inter: list[float], total: list[float], y: list[float]
         ax.plot([inter[-1], total[-1]], [y[-1]] * 2, lw=0.6, ls=":", color=style["color"])
 
 
+def _scatter(ax, x: list[float], y: list[float], marker: str, fill: str, color, size: float, **kwargs) -> None:
+    """Markers of one group; a half-filled one (a method's further groups) with its outline."""
+    if fill == "full":
+        ax.scatter(x, y, s=size, zorder=3, marker=marker, color=[color] * len(x), **kwargs)
+        return
+    ax.scatter(x, y, s=size, zorder=3, marker=marker, facecolors="none", edgecolors=[color] * len(x), lw=1.0)
+    ax.scatter(x, y, s=size, zorder=3, marker=MarkerStyle(marker, fillstyle=fill), color=[color] * len(x), **kwargs)
+
+
 def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_vs_mb", mb: str = "payload",
                     perplexity: bool = False, annotate: bool = True, formats: tuple[str, ...] = FORMATS,
                     title: str = "") -> tuple[list[Path], list[tuple[RunRecord, str]]]:
     """Final validation loss (``perplexity``: its exponential; else the excess over a shared
-    Bayes floor) against MB/step of each run, log x, with the Pareto front as a staircase through
-    its runs (lower left is better). A two-link run's inter-node bytes are a hollow marker linked
-    to it by a dotted line; point labels are placed where none overlaps another label or a
-    marker (:func:`_place_labels`).
+    Bayes floor) against MB/step, log x: one point per group of runs that differ only in their
+    seed, at the mean over its seeds with a bar from the lowest to the highest, and the Pareto
+    front over the groups as a staircase (lower left is better; a front of one group is its
+    ring alone). A two-link run's inter-node bytes are a hollow marker linked to it by a dotted
+    line; point labels are placed where none overlaps another label or a marker
+    (:func:`_place_labels`).
 
     Returns the files written and the runs left out with the reason (no numbers yet, diverged,
     nothing sent)."""
     points, skipped = loss_mb_points(runs, mb=mb, perplexity=perplexity)
     floor = None if perplexity else shared_floor([point.run for point in points])
-    y = {id(point): point.loss - (floor or 0.0) for point in points}
-    labels = dict(zip((id(run) for run in runs), distinct_labels(runs), strict=True))
-    colors = run_colors(runs)
+    colors, fills = run_colors(runs), run_fills(runs)
+    by_run = {id(point.run): point for point in points}
+    seeded_groups = seed_groups([point.run for point in points])
+    # a group's label: its runs' (a sweep labels its seeds alike), told apart from another
+    # group's by what they differ in other than the seed
+    labels = dict(zip((id(group.runs[0]) for group in seeded_groups),
+                      distinct_labels([group.runs[0] for group in seeded_groups], ignore=("seed",)), strict=True))
+    # one point per group: (its runs' points, mean x, mean y, lowest y, highest y)
+    groups = []
+    for group in seeded_groups:
+        members = [by_run[id(run)] for run in group.runs]
+        ys = [point.loss - (floor or 0.0) for point in members]
+        inter = [point.inter_node_mb for point in members if point.inter_node_mb is not None]
+        groups.append({"first": members[0], "seeds": len(members), "x": statistics.fmean(p.mb_per_step for p in members),
+                       "y": statistics.fmean(ys), "low": min(ys), "high": max(ys),
+                       "inter": statistics.fmean(inter) if inter else None})
+    family_sizes: dict[str, int] = {}
+    for group in groups:
+        family_sizes[group["first"].run.optimizer] = family_sizes.get(group["first"].run.optimizer, 0) + 1
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for family in dict.fromkeys(point.run.optimizer for point in points):
-        members = [point for point in points if point.run.optimizer == family]
+    named: set[str] = set()
+    for group in groups:
+        run = group["first"].run
+        family, color, fill = run.optimizer, colors[id(run)], fills[id(run)]
         marker = FAMILY_MARKERS.get(family, ".")
-        split = [point for point in members if point.inter_node_mb is not None]
         name = OPTIMIZER_NAMES.get(family, family)
-        ax.scatter([p.mb_per_step for p in members], [y[id(p)] for p in members], s=60, zorder=3, marker=marker,
-                   color=[colors[id(p.run)] for p in members],
-                   label=name + (ALL_BYTES if split else ""))
-        for index, point in enumerate(split):
-            color = colors[id(point.run)]
-            ax.plot([point.inter_node_mb, point.mb_per_step], [y[id(point)]] * 2, color=color, lw=0.8, ls=":",
-                    zorder=2)
-            ax.scatter([point.inter_node_mb], [y[id(point)]], s=60, zorder=3, marker=marker, facecolors="none",
-                       edgecolors=[color], label=None if index else name + INTER_NODE)
-    front = pareto_runs(points)
+        # a family of one group is named by the method; of several, each group by its label
+        legend = name if family_sizes[family] == 1 else labels[id(run)]
+        split = group["inter"] is not None
+        _scatter(ax, [group["x"]], [group["y"]], marker, fill, color, 60, label=legend + (ALL_BYTES if split else ""))
+        if group["seeds"] > 1:
+            ax.errorbar([group["x"]], [group["y"]], yerr=[[group["y"] - group["low"]], [group["high"] - group["y"]]],
+                        fmt="none", ecolor=color, elinewidth=1.0, capsize=2.5, zorder=2)
+        if split:
+            ax.plot([group["inter"], group["x"]], [group["y"]] * 2, color=color, lw=0.8, ls=":", zorder=2)
+            ax.scatter([group["inter"]], [group["y"]], s=60, zorder=3, marker=marker, facecolors="none",
+                       edgecolors=[color], label=None if name in named else name + INTER_NODE)
+            named.add(name)
+    front = [groups[i] for i in pareto_front([(g["x"], g["y"]) for g in groups])]
     if front:
-        # Between two front runs the best loss reachable for the bytes is the cheaper run's:
-        # a step drawn after each point.
-        ax.step([p.mb_per_step for p in front], [y[id(p)] for p in front], where="post", color="0.25",
-                ls="--", lw=1, zorder=2, label="Pareto front (all bytes)")
-        ax.scatter([p.mb_per_step for p in front], [y[id(p)] for p in front], s=150, facecolors="none",
-                   edgecolors="0.25", lw=1, zorder=2)
+        if len(front) > 1:
+            # Between two front groups the best loss reachable for the bytes is the cheaper one's:
+            # a step drawn after each point.
+            ax.step([g["x"] for g in front], [g["y"] for g in front], where="post", color="0.25",
+                    ls="--", lw=1, zorder=2, label="Pareto front (all bytes)")
+        ax.scatter([g["x"] for g in front], [g["y"] for g in front], s=150, facecolors="none",
+                   edgecolors="0.25", lw=1, zorder=2, label=None if len(front) > 1 else "the Pareto front (one point)")
     quantity = "final validation perplexity" if perplexity else "final validation loss"
-    _loss_axis(ax, quantity, floor, list(y.values()))
+    seeded = any(group["seeds"] > 1 for group in groups)
+    _loss_axis(ax, quantity + (" (mean over seeds; bar: min to max)" if seeded else ""), floor,
+               [value for group in groups for value in (group["low"], group["high"])])
     if floor is None:
         _floor(ax, [point.run for point in points], perplexity)
     ax.set_xscale("log")
@@ -314,13 +375,14 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     if points:
         _legend_outside(ax)
     if annotate:
-        texts = [ax.annotate(labels[id(point.run)], (point.mb_per_step, y[id(point)]), textcoords="offset points",
-                             xytext=(5, 4), fontsize=7) for point in points]
+        texts = [ax.annotate(labels[id(g["first"].run)] + (f" ({g['seeds']} seeds)" if g["seeds"] > 1 else ""),
+                             (g["x"], g["y"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+                 for g in groups]
         # every marker's radius in points (scatter's s is its area in points squared), the
         # front's rings the widest
-        on_front = {id(p) for p in front}
-        markers = [(p.mb_per_step, y[id(p)], 0.5 * math.sqrt(150 if id(p) in on_front else 60)) for p in points]
-        markers += [(p.inter_node_mb, y[id(p)], 0.5 * math.sqrt(60)) for p in points if p.inter_node_mb is not None]
+        on_front = {id(g["first"]) for g in front}
+        markers = [(g["x"], g["y"], 0.5 * math.sqrt(150 if id(g["first"]) in on_front else 60)) for g in groups]
+        markers += [(g["inter"], g["y"], 0.5 * math.sqrt(60)) for g in groups if g["inter"] is not None]
         _place_labels(ax, texts, markers)
     return _save(fig, out_dir, stem, formats), skipped
 
@@ -368,7 +430,8 @@ def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *,
     differ only in their seed: the mean over seeds, and the band from the lowest to the highest
     seed. Log x; a group that sent nothing before a validation is drawn from its first send."""
     firsts = [runs[0] for _label, runs in groups]
-    colors = run_colors(firsts)
+    every = [run for _label, runs in groups for run in runs]
+    colors, fills = run_colors(every), run_fills(every)  # as every other figure of these runs
     floor = shared_floor([run for _label, runs in groups for run in runs])
     plotted: list[float] = []
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
@@ -386,7 +449,8 @@ def plot_seed_bands(groups: list[tuple[str, list[RunRecord]]], out_dir: Path, *,
         color = colors[id(first)]
         plotted += low
         label = f"{label} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
-        style = {"marker": FAMILY_MARKERS.get(first.optimizer, "."), "ms": 4, "color": color}
+        style = {"marker": FAMILY_MARKERS.get(first.optimizer, "."), "ms": 4, "color": color,
+                 "fillstyle": fills[id(first)]}
         ax.plot(x, mean, lw=1.4, label=label + (ALL_BYTES if _splits(first) else ""), **style)
         ax.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
         if _splits(first):

@@ -190,9 +190,9 @@ def find_runs(patterns: list[str]) -> list[RunRecord]:
     return [load_run(p) for p in found]
 
 
-def distinct_labels(runs: list[RunRecord]) -> list[str]:
+def distinct_labels(runs: list[RunRecord], ignore: tuple[str, ...] = ()) -> list[str]:
     """Each run's :attr:`~RunRecord.label`, extended where two runs would share one by the
-    config values that tell them apart (``DeMo lr=0.001``), else by their run directory, for
-    legends and table rows."""
-    return run_labels.distinct_labels([run.config for run in runs], [run.label for run in runs],
+    config values that tell them apart (``DeMo lr=0.001``; not the keys in ``ignore``), else by
+    their run directory, for legends and table rows."""
+    return run_labels.distinct_labels([run.config for run in runs], [run.label for run in runs], ignore=ignore,
                                       fallbacks=[f"({run.path.parent.name}/{run.name})" for run in runs])

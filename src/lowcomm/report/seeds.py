@@ -78,12 +78,14 @@ class Group:
 
 
 def seed_groups(runs: list[RunRecord]) -> list[Group]:
-    """``runs`` as groups of runs that differ in their seed only, in the order first seen, each
-    under its first run's label: a sweep's ``seeds:`` and a grid over ``seed`` group alike."""
+    """``runs`` as groups of runs that differ in their seed only (and share their label), in the
+    order first seen, each under its label: a sweep's ``seeds:`` and a grid over ``seed`` group
+    alike."""
     groups: dict[str, Group] = {}
     for run in runs:
         trains = {key: value for key, value in what_is_trained(run.config).items() if key != "seed"}
-        key = json.dumps({**trains, "cluster": run.config.get("cluster")}, sort_keys=True, default=str)
+        key = json.dumps({**trains, "cluster": run.config.get("cluster"), "label": run.label}, sort_keys=True,
+                         default=str)
         groups.setdefault(key, Group(run.label, [])).runs.append(run)
     return list(groups.values())
 
