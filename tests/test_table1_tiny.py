@@ -77,7 +77,8 @@ def test_one_seed_gives_no_verdict_and_says_so():
     adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
     assert verdict(_group("x", [0.5]), _group("AdamW-DDP", [0.80, 0.82, 0.84])) == "1 seed: no verdict"
     assert verdict(_group("x", [0.5, 0.51]), _group("AdamW-DDP", [0.8])) == "1 seed: no verdict"
-    rows = seed_rows([_group("AdamW-DDP", [0.8], config=adamw_config), _group("DeMo", [0.5], config=adamw_config)])
+    rows = seed_rows([_group("AdamW-DDP", [0.8], config=adamw_config), _group("DeMo", [0.5], config=adamw_config)],
+                     lr_tuned_for=None)
     table = seed_table(rows)
     assert "| DeMo | " in table and "0.5000 (1 seed) | -0.3000 |" in table and "| 1 seed: no verdict |" in table
     assert "nan" not in table and "gap to AdamW-DDP" in table
@@ -88,7 +89,7 @@ def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
     demo_config = OmegaConf.to_container(compose(["optimizer=demo", "optimizer.compression_topk=8"]), resolve=True)
     groups = [_group("DeMo k=8", [0.9, 0.9], payload=0.004, config=demo_config),
               _group("AdamW-DDP", [0.8, 0.8], payload=0.311296, config=adamw_config)]
-    rows = {row["label"]: row for row in seed_rows(groups)}
+    rows = {row["label"]: row for row in seed_rows(groups, lr_tuned_for=None)}
     # AdamW-DDP, bf16 wire: 155,648 parameters x 2 B, ring all-reduce at W=64: 2 x 63/64 of it
     assert rows["AdamW-DDP"]["tx_MB_per_rank_at_W64"] == pytest.approx(2 * 63 / 64 * 311_296 / 1e6, rel=1e-6)
     assert rows["AdamW-DDP"]["verdict"] == "baseline"
@@ -99,7 +100,7 @@ def test_the_rows_compare_bytes_with_adamw_at_the_papers_world_size():
     assert demo["tx_ratio_to_baseline_at_W64"] == pytest.approx(rows["AdamW-DDP"]["tx_MB_per_rank_at_W64"] / (63 * payload))
     assert demo["verdict"] == "worse" and math.isnan(_group("one", [0.5]).std)
     with pytest.raises(ValueError, match="no group labelled 'AdamW-DDP'"):
-        seed_rows(groups[:1])
+        seed_rows(groups[:1], lr_tuned_for=None)
 
 
 @pytest.mark.slow
@@ -122,15 +123,15 @@ def test_runs_that_differ_in_their_seed_only_are_one_group_however_the_sweep_wro
 def test_without_a_bayes_floor_the_table_says_final_loss_not_excess():
     adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
     group = _group("AdamW-DDP", [0.8, 0.82], config=adamw_config)
-    assert "| excess loss (mean ± std) |" in seed_table(seed_rows([group]))
+    assert "| excess loss (mean ± std) |" in seed_table(seed_rows([group], lr_tuned_for=None))
     for record in group.runs:
         del record.summary["bayes_floor"]
-    assert "| final val loss (mean ± std) |" in seed_table(seed_rows([group]))
+    assert "| final val loss (mean ± std) |" in seed_table(seed_rows([group], lr_tuned_for=None))
 
 
 def test_the_table_states_the_budget_in_tokens_per_parameter():
     adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)
-    rows = seed_rows([_group("AdamW-DDP", [0.8, 0.82], config=adamw_config)])
+    rows = seed_rows([_group("AdamW-DDP", [0.8, 0.82], config=adamw_config)], lr_tuned_for=None)
     assert rows[0]["tokens_per_parameter"] == pytest.approx(1_228_800 / 155_648)
     text = seed_table(rows)
     assert text.splitlines()[2] == ("Budget: 155,648 parameters, 1,228,800 training tokens per run, "
@@ -182,3 +183,51 @@ def test_sweep_run_names_a_bad_final_job_before_the_tuning_phase_starts(tmp_path
         sweep_main(["run", str(sweep), "--out", str(tmp_path / "out"), f"run_root={tmp_path / 'runs'}"])
     assert exited.value.code == 2 and "max_steps" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------ a verdict needs tuned learning rates
+def test_a_verdict_needs_learning_rates_tuned_for_the_model_it_trained():
+    """Issue 45: laptop runs at the 1B paper's learning rates called three methods better than an
+    undertrained AdamW-DDP. Without learning rates tuned for the model, no verdict and why not."""
+    adamw_config = OmegaConf.to_container(compose(["optimizer=adamw_ddp"]), resolve=True)  # model=tiny
+    groups = [_group("AdamW-DDP", [0.80, 0.82, 0.84], config=adamw_config),
+              _group("DeMo", [0.70, 0.72, 0.74], config=adamw_config), _group("one seed", [0.5], config=adamw_config)]
+    verdicts = {tuned: [row["verdict"] for row in seed_rows(groups, lr_tuned_for=tuned)]
+                for tuned in (None, frozenset({"tiny"}), frozenset(), frozenset({"olmo_1b"}))}
+    assert verdicts[None] == verdicts[frozenset({"tiny"})] == ["baseline", "better", "1 seed: no verdict"]
+    assert verdicts[frozenset()] == verdicts[frozenset({"olmo_1b"})] == [
+        "baseline", "lr not tuned for model=tiny", "1 seed: no verdict"]
+    assert "nor where the learning rates were not tuned" in seed_table(seed_rows(groups, lr_tuned_for=frozenset()))
+
+
+def test_a_sweep_says_which_models_its_learning_rates_were_tuned_for(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: [experiment=quickstart]\npoints: [[optimizer=adamw_ddp], [optimizer=demo]]\n")
+    assert load_sweep(str(path), labelled=False).lr_tuned_models() == frozenset()
+    assert load_sweep(str(path), labelled=False).lr_tuned_models(laptop=True) == {"tiny"}
+    path.write_text(path.read_text() + "lr_tuned_for: [olmo_1b]\n")
+    assert load_sweep(str(path), labelled=False).lr_tuned_models() == {"olmo_1b"}
+    assert load_sweep("table1_tiny", labelled=False).lr_tuned_models() is None  # it tunes optimizer.lr itself
+    path.write_text(path.read_text().replace("olmo_1b", "olmo_2b"))
+    with pytest.raises(ValueError, match=r"lr_tuned_for: the models .* choose from olmo_1b, olmo_300m, tiny"):
+        load_sweep(str(path), labelled=False)
+
+
+def test_the_laptop_path_runs_any_sweep_on_the_tiny_model_at_the_quickstarts_learning_rates():
+    """The issue's sweep: 1B DiLoCo and MuLoCo 2-bit against AdamW-DDP at the paper's settings.
+    --laptop sets the model (a sweep's model=olmo_1b included), the budget, the workers, the
+    eval cadence and each method's learning rate, the quickstart's for the tiny model."""
+    from lowcomm.config.sweep import laptop_sweep
+    from lowcomm.strategies import STRATEGIES
+
+    sweep = load_sweep("table1_1b", labelled=False)
+    small = laptop_sweep(sweep)
+    assert len(small.jobs) == len(sweep.jobs)
+    for job in small.jobs:
+        config = compose(job)
+        quickstart = compose(["experiment=quickstart"])
+        assert config.model.name == "tiny" and config.data.name == "synthetic" and config.cluster.name == "local"
+        assert config.train.max_steps == quickstart.train.max_steps == 200
+        assert config.train.eval_every == quickstart.train.eval_every
+        lr = next(o for p in STRATEGIES[config.optimizer.name].quickstart for o in p.overrides if o.startswith("optimizer.lr="))
+        assert config.optimizer.lr == float(lr.split("=")[1])

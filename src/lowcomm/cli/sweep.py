@@ -553,7 +553,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     at a time where the best sits at an edge (:func:`_tune_phase`), then each at its best value
     (lowest final validation loss, never a diverged run) once per seed; then the seed table is
     written."""
-    from lowcomm.config.sweep import choose_baseline, final_jobs, load_sweep, select_jobs
+    from lowcomm.config.sweep import choose_baseline, final_jobs, laptop_sweep, load_sweep, select_jobs
     from lowcomm.report.figures import plot_seed_bands
     from lowcomm.report.runs import load_run
     from lowcomm.report.seeds import seed_groups, seed_rows, seed_table
@@ -561,6 +561,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     try:
         sweep = load_sweep(args.sweep)
+        if args.laptop:
+            sweep = laptop_sweep(sweep)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
     if args.only and args.out is None:
@@ -587,7 +589,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     # runs that differ in their seed only are one group, from the sweep's seeds: or a grid over seed
     groups = seed_groups([load_run(run.run_dir) for _point, entries in sorted(final.items()) for _job, run in entries])
-    rows = seed_rows(groups, baseline)
+    rows = seed_rows(groups, baseline, lr_tuned_for=sweep.lr_tuned_models(laptop=args.laptop))
     text = seed_table(rows)
     if args.only:
         text = (f"Some of {sweep.name}'s jobs (--only): {', '.join(g.label for g in groups)}; the runs of the others "
@@ -674,6 +676,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", action="append", metavar="LABEL",
                      help="only the jobs with these labels (repeat it or give a comma list) and the baseline, whose "
                           "runs the verdicts need; needs --out")
+    run.add_argument("--laptop", action="store_true",
+                     help="run every job small here: the tiny model on the synthetic corpus at the quickstart's budget "
+                          "(200 steps), local workers, each method at its quickstart learning rate (tuned for the tiny "
+                          "model, so verdicts are given); your own data after it: data=memmap data.paths=[...]")
     run.add_argument("--baseline", metavar="LABEL",
                      help="the label of the job every job is compared with (default: the sweep file's baseline, "
                           "else its AdamW-DDP job)")

@@ -66,10 +66,10 @@ from lowcomm.config.schema import ConfigError, RunConfig
 from lowcomm.config.suggest import did_you_mean
 from lowcomm.config.validation import validate
 from lowcomm.data.memmap import DataError
-from lowcomm.paths import repo_root
+from lowcomm.paths import group_options, repo_root
 from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
-SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds", "label", "baseline")
+SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds", "label", "baseline", "lr_tuned_for")
 TUNE_KEYS = ("key", "factors", "overrides", "widen")
 POINT_KEYS = ("overrides", "grid")
 WIDEN_FACTOR = 2.0  # each widening tries the edge value / 2 or x 2
@@ -97,6 +97,17 @@ class Sweep:
     tune: Tune | None = None
     seeds: list[int] | None = None  # the final runs' seeds (None: the jobs as they are)
     baseline: str | None = None  # the label the seed table compares with (None: inferred)
+    # the models its jobs' learning rates were tuned for elsewhere, as the file declares: the
+    # seed table's verdicts need tuned ones (report.seeds)
+    lr_tuned_for: tuple[str, ...] = ()
+
+    def lr_tuned_models(self, laptop: bool = False) -> frozenset[str] | None:
+        """The models a verdict on this sweep's runs may be given for: None (every model) where
+        the sweep tunes ``optimizer.lr`` itself; else those it declares, and the tiny model
+        under ``lowcomm-sweep run --laptop`` (the quickstart's learning rates, tuned for it)."""
+        if self.tune is not None and self.tune.key == "optimizer.lr":
+            return None
+        return frozenset(self.lr_tuned_for) | ({"tiny"} if laptop else frozenset())
 
 
 @dataclass(frozen=True)
@@ -242,6 +253,17 @@ def _tune(spec: Any, where: str) -> Tune | None:
                 tuple(_overrides(spec.get("overrides") or [], f"{where}.overrides")), widen)
 
 
+def _lr_tuned_for(spec: Any, where: str) -> tuple[str, ...]:
+    if spec is None:
+        return ()
+    models = group_options()["model"]
+    if (not isinstance(spec, list) or not spec or not all(isinstance(m, str) for m in spec)
+            or set(spec) - set(models)):
+        raise ValueError(f"{where}: the models (configs/model/) this sweep's learning rates were tuned for, as a list "
+                         f"such as [tiny]; choose from {', '.join(models)}; got {spec!r}")
+    return tuple(spec)
+
+
 def _seeds(spec: Any, where: str) -> list[int] | None:
     if spec is None:
         return None
@@ -350,7 +372,29 @@ def load_sweep(name_or_path: str, *, labelled: bool = True) -> Sweep:
     return Sweep(name=path.stem, description=str(spec.get("description", "")).strip(),
                  jobs=_labelled(jobs, template, f"{path}") if labelled else jobs, base=base, path=path,
                  tune=_tune(spec.get("tune"), f"{path}: tune"), seeds=_seeds(spec.get("seeds"), f"{path}: seeds"),
-                 baseline=baseline)
+                 baseline=baseline, lr_tuned_for=_lr_tuned_for(spec.get("lr_tuned_for"), f"{path}: lr_tuned_for"))
+
+
+# lowcomm-sweep run --laptop: every job on the tiny model and the synthetic corpus at the
+# quickstart's budget (configs/experiment/quickstart.yaml), on local workers; data of one's own
+# goes on the command line (data=memmap data.paths=[...]), which comes after these.
+LAPTOP = ("experiment=quickstart", "model=tiny", "data=synthetic", "cluster=local")
+
+
+def quickstart_lr(job: Sequence[str]) -> str:
+    """The ``optimizer.lr=`` override of the job's method in the quickstart (each strategy's
+    ``quickstart`` points), picked for the tiny model at the quickstart's budget."""
+    names = [o.split("=", 1)[1] for o in job if o.startswith("optimizer=")]
+    name = names[-1] if names else str(compose(list(job)).optimizer.name)
+    points = STRATEGIES[name].quickstart
+    return next(o for point in points for o in point.overrides if o.startswith("optimizer.lr="))
+
+
+def laptop_sweep(sweep: Sweep) -> Sweep:
+    """``sweep`` run small on this machine: each job as it is, then :data:`LAPTOP` and its
+    method's quickstart learning rate (:func:`quickstart_lr`), so that a verdict may be given
+    for the tiny model (:meth:`Sweep.lr_tuned_models`)."""
+    return dataclasses.replace(sweep, jobs=[[*job, *LAPTOP, quickstart_lr(job)] for job in sweep.jobs])
 
 
 # Keys a sweep's label never shows: its runs over seeds are one row of a table.

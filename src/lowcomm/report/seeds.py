@@ -12,8 +12,12 @@ a verdict:
     better / worse otherwise, by the gap's sign
 
 where gap = mean excess - the baseline's mean excess and pooled std = sqrt((s^2 + s_base^2) / 2).
-A verdict needs at least two seeds on both sides (one seed has no spread to compare a gap with):
-with fewer the row says so and gives none.
+A verdict needs at least two seeds on both sides (one seed has no spread to compare a gap with),
+and learning rates tuned for the model and budget the runs trained at: by the sweep's ``tune:``
+block on ``optimizer.lr``, by ``lowcomm-sweep run --laptop`` (the quickstart's learning rates,
+picked for the tiny model at its budget), or declared in the sweep file (``lr_tuned_for:
+[olmo_1b]``). A method at a learning rate tuned for another model is not compared: where
+either side's was not tuned, the row says so ("lr not tuned for model=tiny") and gives none.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from lowcomm.config.naming import what_is_trained
@@ -34,7 +38,8 @@ RULE = ("Verdict rule (fixed before the runs): comparable if |gap| <= 2 x pooled
         "the baseline's mean excess; excess = final validation loss - Bayes floor (the loss itself on data with "
         "no known floor); pooled std = "
         "sqrt((s^2 + s_base^2) / 2), s the sample standard deviation over seeds; no verdict with fewer than "
-        "2 seeds.")
+        "2 seeds, nor where the learning rates were not tuned for the model and budget (a tune: block on "
+        "optimizer.lr, lowcomm-sweep run --laptop, or lr_tuned_for: [MODEL] in the sweep file).")
 REFERENCE_WORLD = 64  # the paper's 8 nodes x 8 GPUs
 MIN_SEEDS = 2  # a sample standard deviation needs two
 
@@ -103,8 +108,21 @@ def verdict(group: Group, baseline: Group) -> str:
     return "better" if gap < 0 else "worse"
 
 
-def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[dict]:
-    """One row per group, the baseline's first."""
+def untuned(groups: list[Group], lr_tuned_for: Collection[str] | None) -> str | None:
+    """Why ``groups``' learning rates cannot carry a verdict (``lr not tuned for model=tiny``),
+    or None where they can: ``lr_tuned_for`` names the models the sweep's learning rates were
+    tuned for (None: every model, a sweep that tuned them itself)."""
+    if lr_tuned_for is None:
+        return None
+    models = sorted({str((group.runs[0].config.get("model") or {}).get("name", "?")) for group in groups})
+    untuned_models = [model for model in models if model not in lr_tuned_for]
+    return f"lr not tuned for {', '.join(f'model={m}' for m in untuned_models)}" if untuned_models else None
+
+
+def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP", *,
+              lr_tuned_for: Collection[str] | None) -> list[dict]:
+    """One row per group, the baseline's first; a verdict where both sides have the seeds
+    (:func:`verdict`) and learning rates tuned for their model (:func:`untuned`)."""
     baseline = next((g for g in groups if g.label == baseline_label), None)
     if baseline is None:
         raise ValueError(f"no group labelled {baseline_label!r} to compare with; groups: {[g.label for g in groups]}")
@@ -123,9 +141,16 @@ def seed_rows(groups: list[Group], baseline_label: str = "AdamW-DDP") -> list[di
             "payload_MB_per_step": group.payload_mb, f"tx_MB_per_rank_at_W{REFERENCE_WORLD}": tx,
             "payload_ratio_to_baseline": baseline.payload_mb / group.payload_mb if group.payload_mb else math.inf,
             f"tx_ratio_to_baseline_at_W{REFERENCE_WORLD}": base_tx / tx if tx else math.inf,
-            "verdict": "baseline" if group is baseline else verdict(group, baseline),
+            "verdict": "baseline" if group is baseline else _gated(group, baseline, lr_tuned_for),
         })
     return rows
+
+
+def _gated(group: Group, baseline: Group, lr_tuned_for: Collection[str] | None) -> str:
+    said = verdict(group, baseline)
+    if said.endswith("no verdict"):
+        return said
+    return untuned([group, baseline], lr_tuned_for) or said
 
 
 def seed_table(rows: list[dict]) -> str:
