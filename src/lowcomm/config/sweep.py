@@ -23,6 +23,10 @@
                                                     # and what sets the job apart, e.g. DeMo s=32 k=16)
     baseline: AdamW-DDP                             # optional: the label the seed table compares with
                                                     # (default: the sweep's one AdamW-DDP job)
+    lr_tuned_for: [olmo_1b]                         # optional: the models the jobs' learning rates
+                                                    # were tuned for elsewhere (a verdict needs tuned
+                                                    # ones: this, a tune: block on optimizer.lr, or
+                                                    # lowcomm-sweep run --laptop)
 
 With ``tune``, each job is first run at every factor of its value on the shorter budget. Where
 its best value (lowest final validation loss; a diverged run, nan or inf, is never chosen) is
