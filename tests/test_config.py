@@ -269,6 +269,7 @@ HAND_WRITTEN = [
     ["optimizer=muloco", "+optimizer.extra=1", "++train.max_steps=7", "~wandb.project"],
     ["optimizer=sparseloco", "run_root=${oc.env:HOME}/runs", "train.eval_every=null"],
     ["cluster=slurm_64gpu", "model=tiny", "cluster.workers=4", "train.alpha_f=0.2"],
+    ["optimizer.lr=0.1", "optimizer={lr: 0.2}"],  # a group's key given a mapping is a value, in order
 ]
 
 

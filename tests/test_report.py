@@ -651,3 +651,17 @@ def test_groups_of_one_method_differ_in_marker_and_legend_and_keep_their_colour_
         drawn_colors.setdefault(line.get_label().split(" (")[0], line.get_color())
     assert mcolors.to_rgb(drawn_colors["AdamW-DDP"]) == pytest.approx(colors[id(adamw[0])])
     assert mcolors.to_rgb(drawn_colors["DiLoCo H=10"]) == pytest.approx(colors[id(h10[0])])
+
+
+def test_a_group_missing_a_seed_says_so_and_is_not_on_the_front(tmp_path, monkeypatch):
+    """A seed that diverged is not silently dropped from its group's mean (a survivor's mean of
+    the rest would flatter it): the point says how many seeds it has, and stays off the front."""
+    adamw = _seeded("AdamW-DDP", "adamw_ddp", 0.3, [3.0, 3.02])
+    demo = _seeded("DeMo s=64 k=8", "demo", 0.004, [2.5, 2.6, 2.7])
+    demo[2].summary["diverged"] = {"step": 7, "reason": "the loss is nan"}
+    fig, (_paths, skipped) = drawn(monkeypatch, plot_loss_vs_mb, adamw + demo, tmp_path, formats=("png",))
+    ax = fig.axes[0]
+    assert [run for run, _why in skipped] == [demo[2]]
+    assert "DeMo s=64 k=8 (2 of 3 seeds)" in [t.get_text() for t in ax.texts]
+    rings = [c for c in ax.collections if hasattr(c, "get_sizes") and c.get_sizes().size and c.get_sizes()[0] == 150]
+    assert [tuple(c.get_offsets()[0]) for c in rings] == [(0.3, pytest.approx(3.01))]  # AdamW-DDP alone

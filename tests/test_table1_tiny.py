@@ -220,7 +220,10 @@ def test_the_laptop_path_runs_any_sweep_on_the_tiny_model_at_the_quickstarts_lea
     from lowcomm.config.sweep import laptop_sweep
     from lowcomm.strategies import STRATEGIES
 
+    # distro_1b's own train.max_steps=5612 is a value: the laptop's budget must still win
+    assert any(o.startswith("train.max_steps=") for job in load_sweep("distro_1b", labelled=False).jobs for o in job)
     sweep = load_sweep("table1_1b", labelled=False)
+    sweep.jobs += load_sweep("distro_1b", labelled=False).jobs
     small = laptop_sweep(sweep)
     assert len(small.jobs) == len(sweep.jobs)
     for job in small.jobs:

@@ -77,9 +77,12 @@ def _split(overrides: Sequence[str], groups: set[str]) -> tuple[list[str], list[
         return None
     selections, values = [], []
     for override in parsed:
-        if override.is_sweep_override() or override.is_hydra_override() or override.package is not None:
+        if (override.is_sweep_override() or override.is_hydra_override() or override.package is not None
+                or "/" in override.key_or_group):  # a nested group: Hydra's whole path
             return None
-        (selections if override.key_or_group in groups else values).append(override)
+        # a group's key given a mapping (optimizer={lr: 0.2}) is a value to Hydra, in its order
+        selection = override.key_or_group in groups and not isinstance(override.value(), dict)
+        (selections if selection else values).append(override)
     return [override.input_line for override in selections], values
 
 

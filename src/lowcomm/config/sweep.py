@@ -70,7 +70,7 @@ from lowcomm.config.schema import ConfigError, RunConfig
 from lowcomm.config.suggest import did_you_mean
 from lowcomm.config.validation import validate
 from lowcomm.data.memmap import DataError
-from lowcomm.paths import group_options, repo_root
+from lowcomm.paths import config_dir, group_options, repo_root
 from lowcomm.strategies import METHOD_SWEEPS, STRATEGIES
 
 SWEEP_KEYS = ("description", "base", "methods", "points", "grid", "tune", "seeds", "label", "baseline", "lr_tuned_for")
@@ -385,6 +385,14 @@ def load_sweep(name_or_path: str, *, labelled: bool = True) -> Sweep:
 LAPTOP = ("experiment=quickstart", "model=tiny", "data=synthetic", "cluster=local")
 
 
+def laptop_overrides() -> list[str]:
+    """:data:`LAPTOP` and the quickstart experiment's ``train`` values as values: Hydra applies
+    a job's value overrides (a 1B sweep's ``train.max_steps=5612``) after every group selection,
+    so the experiment alone would not set the budget."""
+    experiment = OmegaConf.load(config_dir() / "experiment" / "quickstart.yaml")
+    return [*LAPTOP, *(f"train.{key}={value}" for key, value in experiment.train.items())]
+
+
 def quickstart_lr(job: Sequence[str]) -> str:
     """The ``optimizer.lr=`` override of the job's method in the quickstart (each strategy's
     ``quickstart`` points), picked for the tiny model at the quickstart's budget."""
@@ -398,7 +406,8 @@ def laptop_sweep(sweep: Sweep) -> Sweep:
     """``sweep`` run small on this machine: each job as it is, then :data:`LAPTOP` and its
     method's quickstart learning rate (:func:`quickstart_lr`), so that a verdict may be given
     for the tiny model (:meth:`Sweep.lr_tuned_models`)."""
-    return dataclasses.replace(sweep, jobs=[[*job, *LAPTOP, quickstart_lr(job)] for job in sweep.jobs])
+    laptop = laptop_overrides()
+    return dataclasses.replace(sweep, jobs=[[*job, *laptop, quickstart_lr(job)] for job in sweep.jobs])
 
 
 # Keys a sweep's label never shows: its runs over seeds are one row of a table.

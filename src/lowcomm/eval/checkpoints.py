@@ -125,11 +125,15 @@ def load_checkpoint_model(
         raise CheckpointError(f"{checkpoint.model_file} cannot be loaded: {exc}") from exc
     # The weights are overwritten right away, so the seeded initialisation is skipped.
     model = build_model(spec, device, seed=None)
-    misfit = _misfit(state_dict, model.state_dict())
+    misfit = _misfit(state_dict, model.state_dict()) if isinstance(state_dict, dict) else None
     if misfit:
         raise CheckpointError(f"{checkpoint.model_file} does not fit model={spec.name} of "
                               f"{checkpoint.run_dir / CONFIG_FILE}: {misfit}; was it written by another run?")
-    model.load_state_dict(state_dict)
+    try:
+        model.load_state_dict(state_dict)
+    except (RuntimeError, TypeError, AttributeError) as exc:  # what _misfit does not foresee: not a state dict
+        raise CheckpointError(f"{checkpoint.model_file} does not fit model={spec.name} of "
+                              f"{checkpoint.run_dir / CONFIG_FILE}: {' '.join(str(exc).split())[:300]}") from exc
     return model.eval()
 
 

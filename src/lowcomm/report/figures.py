@@ -300,6 +300,14 @@ def _scatter(ax, x: list[float], y: list[float], marker: str, fill: str, color, 
     ax.scatter(x, y, s=size, zorder=3, marker=MarkerStyle(marker, fillstyle=fill), color=[color] * len(x), **kwargs)
 
 
+def _seeds_note(group: dict) -> str:
+    """`` (3 seeds)``; `` (2 of 3 seeds)`` where one diverged or has no numbers (see the
+    figure's skipped runs); nothing for one seed of one."""
+    if group["seeds"] < group["of"]:
+        return f" ({group['seeds']} of {group['of']} seeds)"
+    return f" ({group['seeds']} seeds)" if group["seeds"] > 1 else ""
+
+
 def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_vs_mb", mb: str = "payload",
                     perplexity: bool = False, annotate: bool = True, formats: tuple[str, ...] = FORMATS,
                     title: str = "") -> tuple[list[Path], list[tuple[RunRecord, str]]]:
@@ -317,7 +325,9 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     floor = None if perplexity else shared_floor([point.run for point in points])
     colors, fills = run_colors(runs), run_fills(runs)
     by_run = {id(point.run): point for point in points}
-    seeded_groups = seed_groups([point.run for point in points])
+    # groups of every run asked for: a seed that diverged or has no numbers is counted against
+    # its group (named, off the front), not silently dropped from its mean
+    seeded_groups = [group for group in seed_groups(runs) if any(id(run) in by_run for run in group.runs)]
     # a group's label: its runs' (a sweep labels its seeds alike), told apart from another
     # group's by what they differ in other than the seed
     labels = dict(zip((id(group.runs[0]) for group in seeded_groups),
@@ -325,10 +335,11 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     # one point per group: (its runs' points, mean x, mean y, lowest y, highest y)
     groups = []
     for group in seeded_groups:
-        members = [by_run[id(run)] for run in group.runs]
+        members = [by_run[id(run)] for run in group.runs if id(run) in by_run]
         ys = [point.loss - (floor or 0.0) for point in members]
         inter = [point.inter_node_mb for point in members if point.inter_node_mb is not None]
-        groups.append({"first": members[0], "seeds": len(members), "x": statistics.fmean(p.mb_per_step for p in members),
+        groups.append({"first": members[0], "seeds": len(members), "of": len(group.runs),
+                       "x": statistics.fmean(p.mb_per_step for p in members),
                        "y": statistics.fmean(ys), "low": min(ys), "high": max(ys),
                        "inter": statistics.fmean(inter) if inter else None})
     family_sizes: dict[str, int] = {}
@@ -353,7 +364,8 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
             ax.scatter([group["inter"]], [group["y"]], s=60, zorder=3, marker=marker, facecolors="none",
                        edgecolors=[color], label=None if name in named else name + INTER_NODE)
             named.add(name)
-    front = [groups[i] for i in pareto_front([(g["x"], g["y"]) for g in groups])]
+    whole = [g for g in groups if g["seeds"] == g["of"]]  # a group missing a seed is not on the front
+    front = [whole[i] for i in pareto_front([(g["x"], g["y"]) for g in whole])]
     if front:
         if len(front) > 1:
             # Between two front groups the best loss reachable for the bytes is the cheaper one's:
@@ -375,7 +387,7 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     if points:
         _legend_outside(ax)
     if annotate:
-        texts = [ax.annotate(labels[id(g["first"].run)] + (f" ({g['seeds']} seeds)" if g["seeds"] > 1 else ""),
+        texts = [ax.annotate(labels[id(g["first"].run)] + _seeds_note(g),
                              (g["x"], g["y"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
                  for g in groups]
         # every marker's radius in points (scatter's s is its area in points squared), the

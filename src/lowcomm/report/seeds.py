@@ -13,11 +13,12 @@ a verdict:
 
 where gap = mean excess - the baseline's mean excess and pooled std = sqrt((s^2 + s_base^2) / 2).
 A verdict needs at least two seeds on both sides (one seed has no spread to compare a gap with),
-and learning rates tuned for the model and budget the runs trained at: by the sweep's ``tune:``
-block on ``optimizer.lr``, by ``lowcomm-sweep run --laptop`` (the quickstart's learning rates,
-picked for the tiny model at its budget), or declared in the sweep file (``lr_tuned_for:
-[olmo_1b]``). A method at a learning rate tuned for another model is not compared: where
-either side's was not tuned, the row says so ("lr not tuned for model=tiny") and gives none.
+and learning rates tuned for the model the runs trained: by the sweep's ``tune:`` block on
+``optimizer.lr`` (at the sweep's own budget), by ``lowcomm-sweep run --laptop`` (the
+quickstart's learning rates, picked for the tiny model at 200 steps), or declared in the sweep
+file (``lr_tuned_for: [olmo_1b]``). A method at a learning rate tuned for another model is not
+compared: where either side's was not tuned, the row says so ("lr not tuned for model=tiny")
+and gives none. The gate checks the model, not the budget: a shortened run keeps its verdict.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ RULE = ("Verdict rule (fixed before the runs): comparable if |gap| <= 2 x pooled
         "the baseline's mean excess; excess = final validation loss - Bayes floor (the loss itself on data with "
         "no known floor); pooled std = "
         "sqrt((s^2 + s_base^2) / 2), s the sample standard deviation over seeds; no verdict with fewer than "
-        "2 seeds, nor where the learning rates were not tuned for the model and budget (a tune: block on "
+        "2 seeds, nor where the learning rates were not tuned for the model (a tune: block on "
         "optimizer.lr, lowcomm-sweep run --laptop, or lr_tuned_for: [MODEL] in the sweep file).")
 REFERENCE_WORLD = 64  # the paper's 8 nodes x 8 GPUs
 MIN_SEEDS = 2  # a sample standard deviation needs two

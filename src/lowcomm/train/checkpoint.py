@@ -302,20 +302,23 @@ def _write_through(path: Path, write) -> dict:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        # the space as the write left it, before its partial file is removed
         cause = _no_space(path.parent) if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"writing {path} failed: {cause}") from exc
     except RuntimeError as exc:  # torch.save reports a failed write of its zip stream this way
-        tmp.unlink(missing_ok=True)
         # its words are the zip writer's ("[enforce fail at inline_container.cc:672] . unexpected
-        # pos ..."): where the disk is full, say that instead
+        # pos ..."): where the disk is full (measured before the partial file is removed), say that
         full = shutil.disk_usage(path.parent).free < (1 << 20)
-        raise CheckpointError(f"writing {path} failed: " + (_no_space(path.parent) if full else " ".join(str(exc).split()))) from exc
+        cause = _no_space(path.parent) if full else " ".join(str(exc).split())
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {path} failed: {cause}") from exc
     return {"size": writer.size, "sha256": writer.digest.hexdigest()}
 
 
 def _no_space(directory: Path) -> str:
-    """The disk is full, said with what is left on it and where it is mounted."""
+    """The disk is full, said with what is left on it (as the failed write left it) and where it
+    is mounted."""
     usage = shutil.disk_usage(directory)
     return (f"no space left on the device ({decimal_bytes(usage.free)} free of {decimal_bytes(usage.total)} on the "
             f"filesystem mounted at {mount_point(directory)}); free some space, or set run_root to another disk")

@@ -9,6 +9,7 @@ import gc
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -301,10 +302,11 @@ class Trainer:
             here.record.update(self.comm.meter.end_step())
             agreed = agreement.submit(here, now=due)
             stop = any(a.stop for a in agreed) and done < train.max_steps
-            if stop:
-                stop_signal = next(a.signum for a in agreed if a.stop)
             if stop or any(a.diverged for a in agreed):
                 agreed += agreement.drain()  # every rank leaves here: read what is still in flight
+            if stop:  # SIGTERM if any boundary read here carries it (a later one too, once drained)
+                signals = {a.signum for a in agreed if a.stop}
+                stop_signal = signal.SIGTERM if signal.SIGTERM in signals else signal.SIGINT
             first_diverged = next((i for i, a in enumerate(agreed) if a.diverged), None)
             for a in agreed[:first_diverged]:  # what came before a divergence is logged
                 if not (a.boundary.logged or a.boundary.validation is not None):
