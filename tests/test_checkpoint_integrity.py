@@ -196,7 +196,8 @@ def test_a_resume_on_another_number_of_workers_is_refused_once_before_spawning(f
     with pytest.raises(ConfigError) as refused:
         launch_local(other)
     assert refused.value.errors == [
-        f"{run.run_dir}'s newest checkpoint (step_000000004) was written by 2 ranks and this run has 1: resume with "
-        "cluster.workers (or nodes x tasks_per_node) = 2; per-rank state cannot be split among another number of ranks"]
+        f"{run.run_dir / 'checkpoints' / 'step_000000004' / 'trainer.json'} was written by 2 ranks, this run has 1: "
+        "resume with cluster.workers (or nodes x tasks_per_node) = 2; per-rank state cannot be split among another "
+        "number of ranks"]
     out, err = capfd.readouterr()
     assert "unusable" not in out + err  # no worker started to find it

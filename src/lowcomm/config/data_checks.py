@@ -17,7 +17,6 @@ recorded one on a resume (:mod:`lowcomm.data.fingerprint`).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from lowcomm.data import materialize
 from lowcomm.data.fingerprint import check_unchanged
 from lowcomm.data.memmap import DataError, short_file_message
 from lowcomm.data.scan import FileScan, ScanProgress, cached_scan, scan_file
+from lowcomm.data.synthetic import META, read_meta
 from lowcomm.models.tokenizer import available_tokenizers, load_tokenizer
 from lowcomm.paths import config_dir
 
@@ -217,9 +217,8 @@ def corpus_record(path: Path) -> tuple[Path, dict] | None:
     """The ``meta.json`` that ``lowcomm-prepare-data`` wrote beside a token file, and what it
     holds; None for raw token files (or a record that cannot be read: the scan still checks
     every id against the vocabulary)."""
-    record = path.parent / "meta.json"
     try:
-        return record, json.loads(record.read_text())
+        return path.parent / META, read_meta(path.parent)
     except (OSError, ValueError):
         return None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lowcomm.data.memmap import BatchOrder, DataError, MemmapDataset, expand_paths, validation_indices
 from lowcomm.data.prepare import prepare
-from lowcomm.data.synthetic import SyntheticSpec, ensure_synthetic, read_meta
+from lowcomm.data.synthetic import META, SyntheticSpec, ensure_synthetic, read_meta
 
 __all__ = ["BatchOrder", "DataError", "DataSource", "MemmapDataset", "open_data", "validation_indices"]
 
@@ -32,9 +32,9 @@ def materialize(data, seq_len: int, run_root: str, tokenizer: str) -> dict:
     if data.name == "text":
         key = json.dumps({"paths": list(data.paths), "tok": tokenizer, "val": data.val_fraction}, sort_keys=True)
         directory = Path(run_root) / "data" / f"text-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-        if not (directory / "meta.json").is_file():
+        if not (directory / META).is_file():
             prepare(list(data.paths), directory, tokenizer, data.val_fraction)
-        meta = json.loads((directory / "meta.json").read_text())
+        meta = read_meta(directory)
         return {"train": [directory / "train.bin"], "val": [directory / "val.bin"], "dtype": meta["dtype"],
                 "bayes_floor": None, "description": f"text ({directory})"}
     return {"train": expand_paths(data.paths, "data.paths"), "val": expand_paths(data.val_paths, "data.val_paths"),

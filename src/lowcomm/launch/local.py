@@ -35,7 +35,7 @@ from lowcomm.data import materialize
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.runlock import RunDirLock
-from lowcomm.train.checkpoint import TRAINER_FILE
+from lowcomm.train.checkpoint import TRAINER_FILE, world_size_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
@@ -219,9 +219,7 @@ def check_world_size(run: RunConfig) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         return
     if written_by != run.world_size:
-        raise ConfigError([f"{run.run_dir}'s newest checkpoint ({newest.name}) was written by {written_by} ranks and "
-                           f"this run has {run.world_size}: resume with cluster.workers (or nodes x tasks_per_node) = "
-                           f"{written_by}; per-rank state cannot be split among another number of ranks"])
+        raise ConfigError([world_size_refusal(newest / TRAINER_FILE, written_by, run.world_size)])
 
 
 def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:

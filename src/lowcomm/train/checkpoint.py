@@ -90,6 +90,14 @@ def load_file(path: Path, entry: dict | None = None) -> Any:
         raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
 
 
+def world_size_refusal(trainer_file: Path, written_by: int, world_size: int) -> str:
+    """Why a checkpoint written by ``written_by`` ranks cannot resume a run of ``world_size``:
+    said by the launcher before anything spawns and by a rank that finds it anyway."""
+    return (f"{trainer_file} was written by {written_by} ranks, this run has {world_size}: resume with "
+            f"cluster.workers (or nodes x tasks_per_node) = {written_by}; per-rank state cannot be split among "
+            "another number of ranks")
+
+
 def read_trainer_state(path: Path, entry: dict) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
@@ -244,11 +252,8 @@ class CheckpointManager:
 
         trainer = read_trainer_state(directory / TRAINER_FILE, manifest_entry(manifest, directory, TRAINER_FILE))
         if trainer["world_size"] != self.comm.world_size:
-            raise CheckpointError(
-                f"{directory / TRAINER_FILE} was written by {trainer['world_size']} ranks, this run has "
-                f"{self.comm.world_size}: resume with cluster.workers (or nodes x tasks_per_node) = "
-                f"{trainer['world_size']}; per-rank state cannot be split among another number of ranks"
-            )
+            raise CheckpointError(world_size_refusal(directory / TRAINER_FILE, trainer["world_size"],
+                                                     self.comm.world_size))
         optim: dict = {}
         if self.strategy.replicated_optimizer_state or self.strategy.replicated_state_keys:
             optim.update(load(OPTIM_FILE))
