@@ -14,7 +14,9 @@
 #
 # Layout: srun starts one torchrun per node; each torchrun starts one worker per GPU, and all of
 # them meet at a c10d rendezvous on the first node of the allocation. Under torchrun the CLI
-# trains in-process as that worker.
+# trains in-process as that worker. lowcomm-torchrun is torchrun ending as lowcomm's launcher
+# does: 143 with the workers' checkpoint on SIGTERM, a failed worker's own status (75: peers
+# lost, 65: diverged) rather than 1 and a traceback.
 #
 # Preemption and time limit: SLURM sends USR2 to this script 180 s before the kill; the trap
 # below requeues the job (same job id, up to LOWCOMM_MAX_REQUEUES times, default 3). The requeued
@@ -70,7 +72,7 @@ echo "lowcomm: ${SLURM_NNODES} nodes x ${procs_per_node} workers, rendezvous ${r
 
 # srun runs in the background because bash only runs a trap between foreground commands.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    torchrun \
+    lowcomm-torchrun \
     --nnodes="$SLURM_NNODES" \
     --nproc-per-node="$procs_per_node" \
     --rdzv-id="$SLURM_JOB_ID" \

@@ -1,6 +1,7 @@
-"""What the network-namespace tests (test_wire, test_wan) need before they start: root and
-iproute2. Where either is missing they skip, or fail under ``LOWCOMM_REQUIRE_NETNS=1`` (a CI
-box that must run them). A helper module, not a test itself."""
+"""What the network-namespace tests (test_wire, test_wan, test_nodes, ...) need before they
+start: root and iproute2. Where either is missing they skip, or fail under
+``LOWCOMM_REQUIRE_NETNS=1`` (a CI box that must run them). And torchrun on each node of a
+``node_network``. A helper module, not a test itself."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +55,15 @@ def netns_unavailable(reason: str) -> None:
     if os.environ.get("LOWCOMM_REQUIRE_NETNS") == "1":
         pytest.fail(f"LOWCOMM_REQUIRE_NETNS=1 but network namespaces are unavailable: {reason}", pytrace=False)
     pytest.skip(f"network namespaces unavailable: {reason}")
+
+
+def torchrun_on_node(nodes, index: int, config_path: Path, *, ranks_per_node: int = 2,
+                     port: int = 29751) -> subprocess.Popen:
+    """``lowcomm-torchrun`` (torchrun ending as lowcomm's launcher does) on node ``index`` of
+    ``nodes``, ``ranks_per_node`` workers of ``lowcomm.train.worker``, the first node's hostname
+    as the rendezvous; its output (both streams) in ``stdout``."""
+    argv = [sys.executable, "-m", "lowcomm.cli.torchrun", "--nnodes", str(len(nodes)), "--nproc-per-node",
+            str(ranks_per_node), "--node-rank", str(index), "--master-addr", nodes[0].hostname,
+            "--master-port", str(port), "-m", "lowcomm.train.worker", str(config_path)]
+    return subprocess.Popen(nodes[index].command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,7 @@ from lowcomm.launch.local import prepare_run_dir
 from lowcomm.paths import config_dir
 from lowcomm.rundir import RunDir, list_checkpoints
 from lowcomm.train.peers import ANSWERS, GONE, SILENT, UNREACHABLE, Beacon, Diagnosis, Peer, probe
-from netns_helpers import need_iproute2
+from netns_helpers import need_iproute2, torchrun_on_node
 from runs import SMALL_SYNTHETIC, TINY, tiny_run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -144,14 +145,6 @@ DROP_TIMEOUT_S = 10  # the collective timeout of the node tests: short, but abov
 SLACK_S = 8
 
 
-def _torchrun(node, index: int, nodes, config_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node", "2",
-            "--node-rank", str(index), "--master-addr", nodes[0].hostname, "--master-port", "29751",
-            "-m", "lowcomm.train.worker", str(config_path)]
-    return subprocess.Popen(node.command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"})
-
-
 def _logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
@@ -169,7 +162,7 @@ def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_s
                    workers=4, max_steps=steps)
     config_path = prepare_run_dir(run)
     with node_network(2, prefix="lcdrop") as nodes:
-        procs = [_torchrun(node, index, nodes, config_path) for index, node in enumerate(nodes)]
+        procs = [torchrun_on_node(nodes, index, config_path) for index in range(len(nodes))]
         try:
             deadline = time.monotonic() + 180
             while _logged_steps(run.run_dir) < 7:  # a checkpoint at step 6 and a step beyond it
@@ -188,7 +181,8 @@ def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_s
                     proc.wait(timeout=60)
         print(f"node 0 stopped {stopped_after:.1f} s after its link went down; node 1 said:\n"
               + "\n".join(line for line in out1.splitlines() if line.startswith("[lowcomm] lost")))
-        assert procs[0].returncode != 0 and procs[1].returncode != 0
+        # lowcomm-torchrun ends with its first worker's status: node 0's ranks lost their peers (75)
+        assert procs[0].returncode == 75 and procs[1].returncode != 0, (out0[-3000:], out1[-3000:])
         assert stopped_after < DROP_TIMEOUT_S + SLACK_S, out0[-3000:]
         last = int(list_checkpoints(RunDir(run.run_dir).checkpoints)[0].name.split("_")[1])
         assert 6 <= last < steps
@@ -199,10 +193,12 @@ def test_a_node_that_drops_off_the_network_stops_the_run_with_one_line_and_the_s
                          f"{last}; rerun the same command to resume"]
                         for why in (f"no answer within {DROP_TIMEOUT_S} s (cluster.collective_timeout_s)",
                                     "unreachable")), out0[-3000:]
-        assert "Traceback" not in out0.split("[lowcomm] lost")[0][-5000:]  # no rank's traceback before it
+        assert "Traceback" not in out0  # no rank's traceback, nor torchrun's
+        assert re.fullmatch(r"lowcomm-torchrun: rank [01] ended with status 75, the first of this node's to end; "
+                            r"its line is above", out0.rstrip().splitlines()[-1]), out0[-3000:]
 
         subprocess.run(["ip", "-n", nodes[1].namespace, "link", "set", "eth0", "up"], check=True)
-        procs = [_torchrun(node, index, nodes, config_path) for index, node in enumerate(nodes)]
+        procs = [torchrun_on_node(nodes, index, config_path) for index in range(len(nodes))]
         outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], [out[-3000:] for out in outputs]
     assert f"resuming from step_{last:09d}" in outputs[0]

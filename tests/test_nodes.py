@@ -18,6 +18,7 @@ from netns_helpers import (
     listed_namespaces,
     need_iproute2,
     netns_unavailable,
+    torchrun_on_node,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,13 +98,7 @@ def test_gloo_rendezvous_across_nodes_by_hostname():
 def _torchrun_across(nodes, config_path: Path, ranks_per_node: int) -> None:
     """lowcomm's worker under torchrun on every node, ``ranks_per_node`` ranks each, the first
     node's hostname as the rendezvous."""
-    procs = []
-    for index, node in enumerate(nodes):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node",
-                str(ranks_per_node), "--node-rank", str(index), "--master-addr", nodes[0].hostname,
-                "--master-port", "29751", "-m", "lowcomm.train.worker", str(config_path)]
-        procs.append(subprocess.Popen(node.command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}))
+    procs = [torchrun_on_node(nodes, index, config_path, ranks_per_node=ranks_per_node) for index in range(len(nodes))]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * len(nodes), [out[-3000:] for out in outputs]
 

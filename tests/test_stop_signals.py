@@ -148,12 +148,14 @@ _NEVER_AT_A_BOUNDARY = """
 import os, signal, sys, time
 from lowcomm.train.stop import StopDeadline, StopFlag
 flag = StopFlag.install(signal.SIGTERM)
-def expire(signum):
-    print(f"left on {signal.Signals(signum).name}", flush=True)
+def expire(signum, began):
+    print(f"left on {signal.Signals(signum).name}" + ("" if began else " before the first step"), flush=True)
     os._exit(128 + signum)
 StopDeadline(flag, signal.SIGTERM, 1.0, expire).start()
+if sys.argv[1] != "setup":
+    flag()  # a step was trained: the loop has asked once
 print("ready", flush=True)
-if sys.argv[1] == "blocked":  # waits forever, as a rank in a collective whose peer is stopped
+if sys.argv[1] in ("blocked", "setup"):  # waits forever, as a rank in a collective whose peer is stopped
     os.read(os.pipe()[0], 1)
 elif sys.argv[1] == "read":  # the flag is read at every boundary, but the ranks act on it later
     while True:
@@ -168,14 +170,16 @@ else:  # the boundary that acts on it comes after half a second; the checkpoint 
 """
 
 
-@pytest.mark.parametrize("case", ["blocked", "read", "boundary"])
+@pytest.mark.parametrize("case", ["blocked", "read", "boundary", "setup"])
 def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so(case):
     """lowcomm.train.stop.StopDeadline, with a bound of 1 s: a process that never reaches the
     step boundary where it acts on the request leaves with the signal's status once the bound
     passes (its watch wakes on the signal itself, through set_wakeup_fd, whatever the main thread
     is blocked in), also where it reads the request at every boundary but its ranks agree on it
     later (a lagged agreement, lowcomm.train.boundary); a boundary reached in time disarms it,
-    and the checkpoint that follows may take longer."""
+    and the checkpoint that follows may take longer. Before the loop's first step (``setup``: a
+    rendezvous waiting for a peer that has gone, a restore) there is nothing to checkpoint, and
+    it leaves at once, saying so."""
     child = subprocess.Popen([sys.executable, "-c", _NEVER_AT_A_BOUNDARY, case], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     sent = time.monotonic()
@@ -184,6 +188,8 @@ def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so
     if case in ("blocked", "read"):
         assert (child.returncode, out.strip()) == (143, "left on SIGTERM")
         assert time.monotonic() - sent < 5
+    elif case == "setup":
+        assert (child.returncode, out.strip()) == (143, "left on SIGTERM before the first step")
     else:
         assert (child.returncode, out.strip()) == (0, "checkpoint written")
 

@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # composing or validating: nothing was launched
         print("lowcomm-train: interrupted before the run was launched", file=sys.stderr)
         return 130
-    print(f"[lowcomm] run directory: {run_dir}")
+    from lowcomm.distenv import DistEnv
+
+    if not DistEnv.present() or DistEnv.from_environ().rank == 0:  # under torchrun, once for the run
+        print(f"[lowcomm] run directory: {run_dir}")
     return 0
 
 

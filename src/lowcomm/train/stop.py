@@ -44,6 +44,7 @@ class StopFlag:
         self.signums = signums
         self.received: int | None = None
         self.honoured = False
+        self.consulted = False  # the loop has asked: it has trained a step since it started
         self._displaced: dict[int, Any] = {}
 
     @property
@@ -64,6 +65,7 @@ class StopFlag:
             self.received = signum
 
     def __call__(self) -> bool:
+        self.consulted = True
         return self.requested
 
     def honour(self) -> None:
@@ -80,7 +82,7 @@ class AnyStop:
         self.flags = flags
 
     def __call__(self) -> bool:
-        return any(flag() for flag in self.flags)
+        return any([flag() for flag in self.flags])  # each consulted
 
     def honour(self) -> None:
         for flag in self.flags:
@@ -90,7 +92,11 @@ class AnyStop:
 class StopDeadline:
     """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary where the loop acts
     on it must come within ``within_s`` seconds (the loop calls ``flag.honour()`` there); else
-    ``expire(signum)`` runs, on a thread of its own, and must end the process.
+    ``expire(signum, began)`` runs, on a thread of its own, and must end the process. A signal
+    that arrives before the loop has first consulted the flag (rendezvous, set-up, a restore, the
+    first step) expires at once, ``began`` False: until then there is nothing a checkpoint at the
+    stop would add to the last one, and a rank waiting at the rendezvous for a peer that has gone
+    would otherwise wait out the whole bound.
 
     Python runs a signal handler only when the main thread returns to the interpreter, which a
     main thread blocked in a collective (a stopped peer) or in a long device call does not; so
@@ -99,7 +105,7 @@ class StopDeadline:
     flag's handlers are installed.
     """
 
-    def __init__(self, flag: StopFlag, signum: int, within_s: float, expire: Callable[[int], None]):
+    def __init__(self, flag: StopFlag, signum: int, within_s: float, expire: Callable[[int, bool], None]):
         self.flag, self.signum, self.within_s, self.expire = flag, signum, within_s, expire
 
     def start(self) -> StopDeadline:
@@ -117,9 +123,10 @@ class StopDeadline:
                 return
             if self.signum in arrived:
                 break
-        deadline = time.monotonic() + self.within_s
+        began = self.flag.consulted
+        deadline = time.monotonic() + (self.within_s if began else 0.0)
         while not self.flag.honoured and time.monotonic() < deadline:
             time.sleep(0.05)
         if not self.flag.honoured:
             with contextlib.suppress(Exception):
-                self.expire(self.signum)
+                self.expire(self.signum, began)

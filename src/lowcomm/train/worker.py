@@ -110,7 +110,8 @@ def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[
         if before is not None and env.rank == 0:
             before()
         StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
-                     lambda signum: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
+                     lambda signum, began: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S,
+                                                                    began=began)).start()
         try:
             result = train(run, env, should_stop=stop)
         except PeersLost as lost:
@@ -134,11 +135,16 @@ def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[
     return 0
 
 
-def leave_without_checkpoint(rank: int, run_dir: Path, signum: int, within_s: float) -> None:
-    """A stop signal's deadline passed before the step boundary (:class:`StopDeadline`): say so
-    and leave now, with the signal's status, rather than be killed in silence."""
-    cause = (f"rank {rank} reached no step boundary within {within_s:g} s of {signal.Signals(signum).name} (a step "
-             "or a collective was still running) and left without a checkpoint at the stop")
+def leave_without_checkpoint(rank: int, run_dir: Path, signum: int, within_s: float, *, began: bool = True) -> None:
+    """A stop signal's deadline passed before the step boundary (:class:`StopDeadline`), or the
+    signal came before the rank's first step (``began`` False): say so and leave now, with the
+    signal's status, rather than be killed in silence."""
+    name = signal.Signals(signum).name
+    if began:
+        cause = (f"rank {rank} reached no step boundary within {within_s:g} s of {name} (a step or a collective was "
+                 "still running) and left without a checkpoint at the stop")
+    else:
+        cause = f"rank {rank} was stopped by {name} before its first step, with nothing trained to checkpoint"
     last_words(rank, f"{cause}; {resume_note(run_dir)}", cause=cause)
     leave_now(128 + signum)
 

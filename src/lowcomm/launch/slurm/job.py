@@ -89,7 +89,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         run = validate(load_run_config(self.config_path))
         StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
-                     lambda signum: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S)).start()
+                     lambda signum, began: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S,
+                                                                    began=began)).start()
         try:
             # either flag stops the run; the loop honours both where it leaves (a SIGTERM's deadline)
             result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
