@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -397,3 +398,28 @@ def test_a_corpus_of_the_models_own_tokenizer_and_raw_token_files_pass(tmp_path)
     _tokens(raw / "val.bin", 1024, seed=1)
     (raw / "meta.json").write_text("not a record of ours")  # unreadable: the id scan alone decides
     prepare_run_dir(_memmap_run(tmp_path / "second", raw / "train.bin", raw / "val.bin"))
+
+
+def test_data_a_worker_cannot_read_is_bad_input_there_too(tmp_path):
+    """The launcher checks the data before it spawns; a worker that still finds it wanting (a file
+    on the first node but not on another, or removed since the check) says so in one line and
+    exits 2, as the check would have, and the local launcher passes that status on."""
+    from lowcomm.launch.local import WorkerFailure
+    from lowcomm.train.worker import EXIT_BAD_INPUT
+
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    _tokens(train, 4096)
+    _tokens(val, 1024, seed=1)
+    run = _memmap_run(tmp_path, train, val)
+    config_path = prepare_run_dir(run)
+    train.unlink()  # not on this node
+    done = subprocess.run([sys.executable, "-m", "lowcomm.train.worker", str(config_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "1",
+                                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    assert done.returncode == EXIT_BAD_INPUT == 2, done.stdout + done.stderr
+    line = f"data.paths: no file matches '{train}'"
+    assert done.stderr.splitlines() == [f"[lowcomm] rank 0: {line}"], done.stderr
+
+    words = {"line": line, "cause": line}
+    assert WorkerFailure(0, EXIT_BAD_INPUT, words, run.run_dir).exit_status == 2
+    assert WorkerFailure(0, 1, words, run.run_dir).exit_status == 1

@@ -39,7 +39,7 @@ from lowcomm.train.checkpoint import TRAINER_FILE, world_size_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
-from lowcomm.train.worker import LAUNCHED_LOCALLY, words_file
+from lowcomm.train.worker import EXIT_BAD_INPUT, LAUNCHED_LOCALLY, words_file
 
 
 class Interrupted(RuntimeError):
@@ -105,9 +105,10 @@ class WorkerFailure(RuntimeError):
 
     @property
     def exit_status(self) -> int:
-        """What the launcher exits with: a lost peer's EX_TEMPFAIL (rerunning resumes) or a
-        diverged run's EX_DATAERR, as the worker did; 1 otherwise."""
-        return self.returncode if self.returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED) else 1
+        """What the launcher exits with: a lost peer's EX_TEMPFAIL (rerunning resumes), a
+        diverged run's EX_DATAERR or data that does not fit the run (2, as a bad config), as the
+        worker did; 1 otherwise."""
+        return self.returncode if self.returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED, EXIT_BAD_INPUT) else 1
 
 
 def _signal_name(signum: int) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from lowcomm.config import load_run_config, validate
-from lowcomm.config.schema import RunConfig
+from lowcomm.config.schema import ConfigError, RunConfig
 from lowcomm.data.memmap import DataError
 from lowcomm.distenv import DistEnv
 from lowcomm.rundir import CheckpointError, MetricsError, resume_note
@@ -43,6 +43,10 @@ LAUNCHED_LOCALLY = "LOWCOMM_LOCAL_LAUNCHER"
 
 # Failures whose message says all there is to say: no traceback.
 KNOWN_FAILURES = (CheckpointError, DataError, MetricsError, RunDirLocked, OSError)
+# Data that does not fit the run, found by a worker rather than before the launch (a file missing
+# on one node of several, or changed since the launcher checked it): bad input, the status a bad
+# config or the launcher's own data check ends with.
+EXIT_BAD_INPUT = 2
 
 
 def words_file(directory: str | Path, rank: int) -> Path:
@@ -76,6 +80,8 @@ def describe_failure(exc: BaseException) -> tuple[str, str | None]:
     """``(line, traceback or None)`` for a failure: a known cause by its message alone."""
     if isinstance(exc, OSError) and exc.strerror:  # "Read-only file system: /runs/x/metrics.jsonl"
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else ""), None
+    if isinstance(exc, ConfigError):  # the config it was given no longer validates here (a data path)
+        return "; ".join(exc.errors), None
     if isinstance(exc, KNOWN_FAILURES):
         return str(exc), None
     return f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc))
@@ -166,5 +172,5 @@ if __name__ == "__main__":
     except BaseException as failure:  # noqa: BLE001 - report, then exit without teardown
         line, detail = describe_failure(failure)
         last_words(int(os.environ.get("RANK", "0")), line, detail=detail)
-        code = 1
+        code = EXIT_BAD_INPUT if isinstance(failure, (ConfigError, DataError)) else 1
     leave_now(code)
