@@ -234,3 +234,21 @@ def test_the_laptop_path_runs_any_sweep_on_the_tiny_model_at_the_quickstarts_lea
         assert config.train.eval_every == quickstart.train.eval_every
         lr = next(o for p in STRATEGIES[config.optimizer.name].quickstart for o in p.overrides if o.startswith("optimizer.lr="))
         assert config.optimizer.lr == float(lr.split("=")[1])
+
+
+def test_a_laptop_jobs_progress_names_what_it_varies_not_what_the_laptop_added(tmp_path):
+    """The progress line and every message about a job name what the job itself sets beyond the
+    sweep's base (``seed=1``), not the overrides --laptop added to all of them (a regression
+    found running the issue's sweep: ``(7/8) MuLoCo 2-bit H=10: train.checkpoint_every=100
+    optimizer.lr=1e-2``)."""
+    from lowcomm.config.sweep import laptop_sweep, plan_sweep
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: [model=olmo_1b, experiment_name=mine]\n"
+                    "points:\n  - overrides: [optimizer=muloco, compression=quantize, optimizer.sync_every=10]\n"
+                    "    grid: {seed: [0, 1]}\n")
+    small = laptop_sweep(load_sweep(str(path), labelled=False))
+    planned = plan_sweep(small, [f"run_root={tmp_path}"])
+    assert [plan.varying for plan in planned] == [
+        ["optimizer=muloco", "compression=quantize", "optimizer.sync_every=10", f"seed={seed}"] for seed in (0, 1)]
+    assert all(plan.run.model.name == "tiny" for plan in planned)

@@ -415,8 +415,8 @@ def _plan_jobs(parser: argparse.ArgumentParser, sweep: Sweep, jobs: list, overri
     from lowcomm.config.sweep import plan_sweep
 
     try:
-        return plan_sweep(SweepSpec(sweep.name, sweep.description, [job.overrides for job in jobs], sweep.base),
-                          overrides)
+        return plan_sweep(SweepSpec(sweep.name, sweep.description, [job.overrides for job in jobs], sweep.base,
+                                    laptop=sweep.laptop), overrides)
     except ConfigError as exc:
         parser.exit(2, f"{PROG}: {exc}\n")
 

@@ -104,6 +104,8 @@ class Sweep:
     # the models its jobs' learning rates were tuned for elsewhere, as the file declares: the
     # seed table's verdicts need tuned ones (report.seeds)
     lr_tuned_for: tuple[str, ...] = ()
+    # what :func:`laptop_sweep` added to the jobs to run them small here: not what a job varies
+    laptop: tuple[str, ...] = ()
 
     def lr_tuned_models(self, laptop: bool = False) -> frozenset[str] | None:
         """The models a verdict on this sweep's runs may be given for: None (every model) where
@@ -407,7 +409,8 @@ def laptop_sweep(sweep: Sweep) -> Sweep:
     method's quickstart learning rate (:func:`quickstart_lr`), so that a verdict may be given
     for the tiny model (:meth:`Sweep.lr_tuned_models`)."""
     laptop = laptop_overrides()
-    return dataclasses.replace(sweep, jobs=[[*job, *laptop, quickstart_lr(job)] for job in sweep.jobs])
+    jobs = [[*job, *laptop, quickstart_lr(job)] for job in sweep.jobs]
+    return dataclasses.replace(sweep, jobs=jobs, laptop=(*laptop, *sorted({job[-1] for job in jobs})))
 
 
 # Keys a sweep's label never shows: its runs over seeds are one row of a table.
@@ -520,7 +523,8 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
     errors: list[tuple[int, list[str], str]] = []
     seen: dict[Path, tuple[int, dict]] = {}  # run directory -> the first job in it, what it trains
     for number, job in enumerate(sweep.jobs, start=1):
-        varying = [o for o in job[len(sweep.base):] if not o.startswith("label=")]  # what it trains differently
+        # what it trains differently (not what --laptop added to every job)
+        varying = [o for o in job[len(sweep.base):] if not o.startswith("label=") and o not in sweep.laptop]
         overrides = [*job, *extra_overrides]
         try:
             run = validate(compose(overrides), check_data_files=check_data_files, require_data=require_data)
