@@ -200,8 +200,8 @@ def test_a_run_with_two_links_is_placed_at_all_its_bytes_and_marks_its_inter_nod
     fig, _ = drawn(monkeypatch, plot_loss_vs_mb, [flex, ddp], tmp_path, formats=("png",))
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels[:2] == ["FlexDeMo: all bytes (filled)", "FlexDeMo: inter-node part (hollow, dotted)"]
-    assert "AdamW-DDP" in labels
+    assert labels[:2] == ["flexdemo: all bytes (filled)", "flexdemo: inter-node part (hollow, dotted)"]
+    assert "ddp" in labels  # each group by its label (the fixture labels AdamW-DDP so)
     assert ax.get_xlabel() == "Tx MB/step per worker (payload; 1 MB = 1e6 bytes)"
     hollow = [c for c in ax.collections if c.get_offsets().shape[0] == 1 and not c.get_facecolor().size]
     assert [tuple(c.get_offsets()[0]) for c in hollow] == [(0.0096, 2.9)]
@@ -632,12 +632,15 @@ def test_groups_of_one_method_differ_in_marker_and_legend_and_keep_their_colour_
     adamw = _seeded("AdamW-DDP", "adamw_ddp", 0.3, [3.0, 3.02])
     h5 = _seeded("DiLoCo H=5", "diloco", 0.06, [3.1, 3.12], sync_every=5)
     h10 = _seeded("DiLoCo H=10", "diloco", 0.03, [3.2, 3.21], sync_every=10)
+    muloco = _seeded("MuLoCo 2-bit H=10", "muloco", 0.004, [3.3, 3.31], sync_every=10)
     runs = adamw + h5 + h10
     fills = run_fills(runs)
     assert [fills[id(run)] for run in runs] == ["full"] * 4 + ["left"] * 2
-    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs, tmp_path, formats=("png",))
+    fig, _ = drawn(monkeypatch, plot_loss_vs_mb, runs + muloco, tmp_path, formats=("png",))
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert {"AdamW-DDP", "DiLoCo H=5", "DiLoCo H=10"} <= set(legend) and "DiLoCo" not in legend
+    # a method's only group keeps its defining constants in the legend as beside its point
+    assert "MuLoCo 2-bit H=10" in legend and "MuLoCo" not in legend
     half = [c for c in fig.axes[0].collections if c.get_offsets().shape[0] == 1
             and tuple(c.get_offsets()[0]) == (0.03, pytest.approx(3.205))]
     assert len(half) == 2  # the outline, then the half-filled marker

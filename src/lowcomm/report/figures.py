@@ -37,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lowcomm.report.pareto import loss_mb_points, pareto_front  # noqa: E402
-from lowcomm.report.runs import OPTIMIZER_NAMES, RunRecord, distinct_labels  # noqa: E402
+from lowcomm.report.runs import RunRecord, distinct_labels  # noqa: E402
 from lowcomm.report.seeds import seed_groups  # noqa: E402
 from lowcomm.report.wallclock import Timeline  # noqa: E402
 from lowcomm.strategies import STRATEGIES  # noqa: E402
@@ -342,18 +342,14 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
                        "x": statistics.fmean(p.mb_per_step for p in members),
                        "y": statistics.fmean(ys), "low": min(ys), "high": max(ys),
                        "inter": statistics.fmean(inter) if inter else None})
-    family_sizes: dict[str, int] = {}
-    for group in groups:
-        family_sizes[group["first"].run.optimizer] = family_sizes.get(group["first"].run.optimizer, 0) + 1
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    named: set[str] = set()
     for group in groups:
         run = group["first"].run
         family, color, fill = run.optimizer, colors[id(run)], fills[id(run)]
         marker = FAMILY_MARKERS.get(family, ".")
-        name = OPTIMIZER_NAMES.get(family, family)
-        # a family of one group is named by the method; of several, each group by its label
-        legend = name if family_sizes[family] == 1 else labels[id(run)]
+        # each group by its label, which carries the method's defining constants (MuLoCo 2-bit
+        # H=10), also where it is its method's only group
+        legend = labels[id(run)]
         split = group["inter"] is not None
         _scatter(ax, [group["x"]], [group["y"]], marker, fill, color, 60, label=legend + (ALL_BYTES if split else ""))
         if group["seeds"] > 1:
@@ -362,8 +358,7 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
         if split:
             ax.plot([group["inter"], group["x"]], [group["y"]] * 2, color=color, lw=0.8, ls=":", zorder=2)
             ax.scatter([group["inter"]], [group["y"]], s=60, zorder=3, marker=marker, facecolors="none",
-                       edgecolors=[color], label=None if name in named else name + INTER_NODE)
-            named.add(name)
+                       edgecolors=[color], label=legend + INTER_NODE)
     whole = [g for g in groups if g["seeds"] == g["of"]]  # a group missing a seed is not on the front
     front = [whole[i] for i in pareto_front([(g["x"], g["y"]) for g in whole])]
     if front:
