@@ -668,3 +668,12 @@ def test_a_group_missing_a_seed_says_so_and_is_not_on_the_front(tmp_path, monkey
     assert "DeMo s=64 k=8 (2 of 3 seeds)" in [t.get_text() for t in ax.texts]
     rings = [c for c in ax.collections if hasattr(c, "get_sizes") and c.get_sizes().size and c.get_sizes()[0] == 150]
     assert [tuple(c.get_offsets()[0]) for c in rings] == [(0.3, pytest.approx(3.01))]  # AdamW-DDP alone
+
+    # the group's first seed is the one that diverged: its label still comes from the group
+    first_gone = _seeded("DeMo s=64 k=8", "demo", 0.004, [2.5, 2.6, 2.7])
+    first_gone[0].summary["diverged"] = {"step": 7, "reason": "the loss is nan"}
+    for annotate in (True, False):
+        fig, _ = drawn(monkeypatch, plot_loss_vs_mb, adamw + first_gone, tmp_path, formats=("png",),
+                       annotate=annotate)
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "DeMo s=64 k=8" in legend

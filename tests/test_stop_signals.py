@@ -151,11 +151,14 @@ flag = StopFlag.install(signal.SIGTERM)
 def expire(signum, began):
     print(f"left on {signal.Signals(signum).name}" + ("" if began else " before the first step"), flush=True)
     os._exit(128 + signum)
+if sys.argv[1] == "early":  # the signal comes while the rank sets up, before the deadline's watch starts
+    os.kill(os.getpid(), signal.SIGTERM)
 StopDeadline(flag, signal.SIGTERM, 1.0, expire).start()
-if sys.argv[1] != "setup":
-    flag()  # a step was trained: the loop has asked once
-print("ready", flush=True)
-if sys.argv[1] in ("blocked", "setup"):  # waits forever, as a rank in a collective whose peer is stopped
+if sys.argv[1] not in ("setup", "early"):
+    flag.begin()  # the training loop has started
+if sys.argv[1] != "early":  # (its watch is already leaving)
+    print("ready", flush=True)
+if sys.argv[1] in ("blocked", "setup", "early"):  # waits forever, as a rank in a collective whose peer is stopped
     os.read(os.pipe()[0], 1)
 elif sys.argv[1] == "read":  # the flag is read at every boundary, but the ranks act on it later
     while True:
@@ -170,17 +173,22 @@ else:  # the boundary that acts on it comes after half a second; the checkpoint 
 """
 
 
-@pytest.mark.parametrize("case", ["blocked", "read", "boundary", "setup"])
+@pytest.mark.parametrize("case", ["blocked", "read", "boundary", "setup", "early"])
 def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so(case):
     """lowcomm.train.stop.StopDeadline, with a bound of 1 s: a process that never reaches the
     step boundary where it acts on the request leaves with the signal's status once the bound
     passes (its watch wakes on the signal itself, through set_wakeup_fd, whatever the main thread
     is blocked in), also where it reads the request at every boundary but its ranks agree on it
     later (a lagged agreement, lowcomm.train.boundary); a boundary reached in time disarms it,
-    and the checkpoint that follows may take longer. Before the loop's first step (``setup``: a
-    rendezvous waiting for a peer that has gone, a restore) there is nothing to checkpoint, and
-    it leaves at once, saying so."""
+    and the checkpoint that follows may take longer. Before the training loop has begun
+    (``setup``: a rendezvous waiting for a peer that has gone, a restore) there is nothing to
+    checkpoint, and it leaves at once, saying so, also where the signal came before the watch
+    started (``early``)."""
     child = subprocess.Popen([sys.executable, "-c", _NEVER_AT_A_BOUNDARY, case], stdout=subprocess.PIPE, text=True)
+    if case == "early":
+        out, _ = child.communicate(timeout=30)
+        assert (child.returncode, out.strip()) == (143, "left on SIGTERM before the first step")
+        return
     assert child.stdout.readline().strip() == "ready"
     sent = time.monotonic()
     child.send_signal(signal.SIGTERM)
@@ -190,6 +198,7 @@ def test_after_sigterm_a_rank_whose_step_boundary_does_not_come_leaves_saying_so
         assert time.monotonic() - sent < 5
     elif case == "setup":
         assert (child.returncode, out.strip()) == (143, "left on SIGTERM before the first step")
+        assert time.monotonic() - sent < 0.9  # at once, not after the bound (1 s)
     else:
         assert (child.returncode, out.strip()) == (0, "checkpoint written")
 

@@ -246,9 +246,11 @@ def test_a_laptop_jobs_progress_names_what_it_varies_not_what_the_laptop_added(t
     path = tmp_path / "mine.yaml"
     path.write_text("base: [model=olmo_1b, experiment_name=mine]\n"
                     "points:\n  - overrides: [optimizer=muloco, compression=quantize, optimizer.sync_every=10]\n"
-                    "    grid: {seed: [0, 1]}\n")
+                    "    grid: {seed: [0, 1]}\n"
+                    "  - [optimizer=adamw_ddp, optimizer.lr=6e-3, cluster=local]\n")
     small = laptop_sweep(load_sweep(str(path), labelled=False))
     planned = plan_sweep(small, [f"run_root={tmp_path}"])
     assert [plan.varying for plan in planned] == [
-        ["optimizer=muloco", "compression=quantize", "optimizer.sync_every=10", f"seed={seed}"] for seed in (0, 1)]
+        *(["optimizer=muloco", "compression=quantize", "optimizer.sync_every=10", f"seed={seed}"] for seed in (0, 1)),
+        ["optimizer=adamw_ddp", "optimizer.lr=6e-3", "cluster=local"]]  # its own, though --laptop sets them too
     assert all(plan.run.model.name == "tiny" for plan in planned)

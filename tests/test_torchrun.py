@@ -70,7 +70,7 @@ def test_sigterm_under_torchrun_checkpoints_at_the_next_step_and_the_rerun_resum
     proc.send_signal(signal.SIGTERM)  # torchrun alone, as kill, systemd or a scheduler does
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out[-3000:]
-    assert _last_line(out) == "lowcomm-torchrun: stopped by SIGTERM; the workers were stopped at a step boundary"
+    assert _last_line(out) == "lowcomm-torchrun: stopped by SIGTERM; the workers' lines above say where each stopped"
     assert "Traceback" not in out and "SignalException" not in out
 
     checkpoints = list_checkpoints(metrics.parent / "checkpoints")
@@ -96,6 +96,8 @@ def _children(pid: int) -> list[int]:
 
 
 def test_sigterm_to_one_worker_under_torchrun_is_a_sigterm_for_every_rank(tmp_path):
+    """SIGTERM to one worker (a stray kill, a node agent) stops both ranks at one boundary with
+    one checkpoint, each leaving 143, as under the local launcher; torchrun ends 143 naming it."""
     command = _torchrun("-m", "lowcomm.cli.train", *_overrides(tmp_path, "train.max_steps=60"))
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -110,12 +112,11 @@ def test_sigterm_to_one_worker_under_torchrun_is_a_sigterm_for_every_rank(tmp_pa
     assert [line for line in out.splitlines() if line.startswith("[lowcomm] interrupted")] == [
         f"[lowcomm] interrupted (SIGTERM): stopped at step {stopped_at} with a checkpoint in {metrics.parent}; "
         "run the same command to resume"], out
-    assert re.fullmatch(r"lowcomm-torchrun: rank [01] was stopped by SIGTERM \(status 143\), the first of this "
+    assert re.fullmatch(r"lowcomm-torchrun: rank [01] ended with status 143 \(SIGTERM\), the first of this "
                         r"node's to end; its line is above", _last_line(out)), out[-3000:]
     assert "Traceback" not in out
 
 
-@pytest.mark.slow
 def test_on_two_nodes_the_lock_holds_and_sigterm_to_one_node_stops_both_at_one_checkpoint(tmp_path):
     """2 nodes x 2 ranks (network namespaces, a hostname each): while they train, a local launch of
     the same config is refused naming rank 0 on node 0; SIGTERM to node 1's torchrun alone (a
@@ -153,9 +154,9 @@ def test_on_two_nodes_the_lock_holds_and_sigterm_to_one_node_stops_both_at_one_c
         assert [line for line in outputs[0].splitlines() if line.startswith("[lowcomm] interrupted")] == [
             f"[lowcomm] interrupted (SIGTERM): stopped at step {stopped_at} with a checkpoint in {run.run_dir}; "
             "run the same command to resume"], outputs[0][-3000:]
-        assert _last_line(outputs[1]) == ("lowcomm-torchrun: stopped by SIGTERM; the workers were stopped at a step "
-                                          "boundary"), outputs[1][-3000:]
-        assert re.fullmatch(r"lowcomm-torchrun: rank [01] was stopped by SIGTERM \(status 143\), .*",
+        assert _last_line(outputs[1]) == ("lowcomm-torchrun: stopped by SIGTERM; the workers' lines above say where each "
+                                          "stopped"), outputs[1][-3000:]
+        assert re.fullmatch(r"lowcomm-torchrun: rank [01] ended with status 143 \(SIGTERM\), .*",
                             _last_line(outputs[0])), outputs[0][-3000:]
         assert not any("Traceback" in out for out in outputs)
         assert not (run.run_dir / ".lock").exists()
@@ -166,3 +167,17 @@ def test_on_two_nodes_the_lock_holds_and_sigterm_to_one_node_stops_both_at_one_c
     assert f"resuming from step_{stopped_at:09d}" in outputs[0]
     steps_logged = [record["step"] for record in read_metrics(metrics)]
     assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == steps
+
+
+@pytest.mark.parametrize(("exitcode", "line", "status"), [
+    (143, "rank 1 ended with status 143 (SIGTERM), the first of this node's to end; its line is above", 143),
+    (75, "rank 1 ended with status 75, the first of this node's to end; its line is above", 75),
+    (-9, "rank 1 was killed by SIGKILL (status 137), the first of this node's to end; it left no line", 137),
+    (-11, "rank 1 was killed by SIGSEGV (status 139), the first of this node's to end; it left no line", 139),
+])
+def test_a_failed_workers_line_and_status(exitcode, line, status):
+    """torch reports a worker killed by signal N as exit code -N: the shell's status is 128 + N,
+    and such a worker said nothing (the OOM killer, a segfault)."""
+    from lowcomm.cli.torchrun import failure_line
+
+    assert failure_line(1, exitcode) == (f"lowcomm-torchrun: {line}", status)

@@ -7,10 +7,11 @@ status 1; a worker that ends with lowcomm's line and status (75: peers lost, 65:
 a ``ChildFailedError`` table and status 1. A scheduler, a sweep or a shell script then cannot tell
 a stop from a crash. Here torchrun runs in-process and:
 
-- a stop signal (SIGTERM, SIGINT, SIGHUP) ends with ``128 + signal``, the workers' checkpoint line
-  above it and no traceback;
-- a worker that fails ends torchrun with that worker's own status (the first to fail), after one
-  line naming it; its line (or its traceback, for a cause lowcomm does not know) is above;
+- a stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) ends with ``128 + signal`` and one line, the
+  workers' own lines (a checkpoint at the next step boundary, or why not) above it, no traceback;
+- a worker that fails ends torchrun with that worker's own status (the first to fail; 128 + N
+  for one killed by signal N), after one line naming it; its line (or its traceback, for a cause
+  lowcomm does not know) is above;
 - torchrun's agent says only errors, unless ``LOGLEVEL`` asks for more (torchrun's own variable).
 
 Everything else is torchrun's: ``lowcomm-torchrun --nnodes 2 --nproc-per-node 8 ... -m
@@ -27,49 +28,78 @@ import sys
 PROG = "lowcomm-torchrun"
 
 
-def exit_status(exitcode: int) -> int:
-    """A worker's status as a shell reports it: a process killed by signal N is 128 + N."""
-    return 128 - exitcode if exitcode < 0 else exitcode
+# torch's elastic agent creates its loggers as its modules are imported, each at ``LOGLEVEL``
+# (default WARNING); the rendezvous backends' modules are imported only as a run starts.
+_AGENT_MODULES = ("torch.distributed.run", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+                  "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
 
 
-def _quiet_agent() -> None:
-    """torch's elastic agent sets each of its loggers' level itself (from ``LOGLEVEL``, default
-    WARNING), so the level is set on each of them, not on their parent. A failed worker's
-    record (``failed (exitcode: 143) local_rank: 1 ...``) is said again by :func:`main`'s line."""
+class _RestatedFailure(logging.Filter):
+    """Drops the agent's record of a failed worker (``failed (exitcode: 143) local_rank: 1
+    ...``): :func:`main`'s line says it, and which rank, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+def _import_agent(quiet: bool) -> None:
+    """Import torchrun's agent; ``quiet``: its loggers say errors only (the agent's notes on
+    stopping workers are not a fault's line), less the failure :func:`main` restates."""
+    import importlib
+
+    if quiet:
+        os.environ["LOGLEVEL"] = "ERROR"  # read as each logger is made; not the workers' to inherit
+    try:
+        for module in _AGENT_MODULES:
+            importlib.import_module(module)
+    finally:
+        if quiet:
+            del os.environ["LOGLEVEL"]
+    restated = _RestatedFailure()
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
-            logger.setLevel(logging.CRITICAL)
+            logger.addFilter(restated)
+
+
+def failure_line(rank: int, exitcode: int) -> tuple[str, int]:
+    """The line for the first worker to fail, and the status to end with: its own, or
+    128 + N for a worker killed by signal N (which left no line of its own)."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in set(signal.Signals) else f"signal {-exitcode}"
+        return (f"{PROG}: rank {rank} was killed by {name} (status {128 - exitcode}), the first of this node's to "
+                "end; it left no line"), 128 - exitcode
+    named = ""
+    if exitcode > 128 and exitcode - 128 in set(signal.Signals):
+        named = f" ({signal.Signals(exitcode - 128).name})"
+    return (f"{PROG}: rank {rank} ended with status {exitcode}{named}, the first of this node's to end; its line "
+            "is above"), exitcode
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _import_agent(quiet="LOGLEVEL" not in os.environ)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)  # torchrun's parser: --help, and its errors, are torchrun's
-    if "LOGLEVEL" not in os.environ:  # the agent's notes on stopping workers are not a fault's line
-        _quiet_agent()
     try:
         run(args)
     except SignalException as exc:
-        # the agent has stopped the workers with the same signal (a checkpoint at the next step
-        # boundary, rank 0's line above) and waited for them
+        # the agent has passed the signal to the workers and waited for them (up to 30 s): each
+        # stops at its next step boundary with a checkpoint, or says why it could not
         name = signal.Signals(exc.sigval).name
-        print(f"{PROG}: stopped by {name}; the workers were stopped at a step boundary", file=sys.stderr,
+        print(f"{PROG}: stopped by {name}; the workers' lines above say where each stopped", file=sys.stderr,
               flush=True)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        status = exit_status(failure.exitcode)
-        how = f"ended with status {status}"
-        if status > 128 and status - 128 in set(signal.Signals):
-            how = f"was stopped by {signal.Signals(status - 128).name} (status {status})"
-        print(f"{PROG}: rank {rank} {how}, the first of this node's to end; its line is above",
-              file=sys.stderr, flush=True)
+        line, status = failure_line(rank, failure.exitcode)
+        print(line, file=sys.stderr, flush=True)
         return status
-    except KeyboardInterrupt:  # before the workers started (rendezvous)
-        print(f"{PROG}: interrupted before the workers started", file=sys.stderr)
+    except KeyboardInterrupt:  # before the agent's handlers were installed (the rendezvous)
+        print(f"{PROG}: interrupted before the workers started", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     return 0
 

@@ -104,7 +104,8 @@ class Sweep:
     # the models its jobs' learning rates were tuned for elsewhere, as the file declares: the
     # seed table's verdicts need tuned ones (report.seeds)
     lr_tuned_for: tuple[str, ...] = ()
-    # what :func:`laptop_sweep` added to the jobs to run them small here: not what a job varies
+    # what :func:`laptop_sweep` added after each job's own overrides (then the method's lr) to run
+    # it small here: not what a job varies
     laptop: tuple[str, ...] = ()
 
     def lr_tuned_models(self, laptop: bool = False) -> frozenset[str] | None:
@@ -410,7 +411,17 @@ def laptop_sweep(sweep: Sweep) -> Sweep:
     for the tiny model (:meth:`Sweep.lr_tuned_models`)."""
     laptop = laptop_overrides()
     jobs = [[*job, *laptop, quickstart_lr(job)] for job in sweep.jobs]
-    return dataclasses.replace(sweep, jobs=jobs, laptop=(*laptop, *sorted({job[-1] for job in jobs})))
+    return dataclasses.replace(sweep, jobs=jobs, laptop=tuple(laptop))
+
+
+def _own(job: Sequence[str], base: Sequence[str], laptop: Sequence[str]) -> list[str]:
+    """What ``job`` sets beyond the sweep's ``base``, less what :func:`laptop_sweep` appended
+    (``laptop`` where it stands in the job, and the learning rate after it)."""
+    own = list(job[len(base):])
+    for at in range(len(own) - len(laptop)) if laptop else ():
+        if own[at:at + len(laptop)] == list(laptop):
+            return own[:at] + own[at + len(laptop) + 1:]
+    return own
 
 
 # Keys a sweep's label never shows: its runs over seeds are one row of a table.
@@ -524,7 +535,7 @@ def plan_sweep(sweep: Sweep, extra_overrides: Sequence[str] = (), *, check_data_
     seen: dict[Path, tuple[int, dict]] = {}  # run directory -> the first job in it, what it trains
     for number, job in enumerate(sweep.jobs, start=1):
         # what it trains differently (not what --laptop added to every job)
-        varying = [o for o in job[len(sweep.base):] if not o.startswith("label=") and o not in sweep.laptop]
+        varying = [o for o in _own(job, sweep.base, sweep.laptop) if not o.startswith("label=")]
         overrides = [*job, *extra_overrides]
         try:
             run = validate(compose(overrides), check_data_files=check_data_files, require_data=require_data)

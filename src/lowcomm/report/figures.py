@@ -338,7 +338,8 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
         members = [by_run[id(run)] for run in group.runs if id(run) in by_run]
         ys = [point.loss - (floor or 0.0) for point in members]
         inter = [point.inter_node_mb for point in members if point.inter_node_mb is not None]
-        groups.append({"first": members[0], "seeds": len(members), "of": len(group.runs),
+        groups.append({"first": members[0], "label": labels[id(group.runs[0])], "seeds": len(members),
+                       "of": len(group.runs),
                        "x": statistics.fmean(p.mb_per_step for p in members),
                        "y": statistics.fmean(ys), "low": min(ys), "high": max(ys),
                        "inter": statistics.fmean(inter) if inter else None})
@@ -349,7 +350,7 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
         marker = FAMILY_MARKERS.get(family, ".")
         # each group by its label, which carries the method's defining constants (MuLoCo 2-bit
         # H=10), also where it is its method's only group
-        legend = labels[id(run)]
+        legend = group["label"]
         split = group["inter"] is not None
         _scatter(ax, [group["x"]], [group["y"]], marker, fill, color, 60, label=legend + (ALL_BYTES if split else ""))
         if group["seeds"] > 1:
@@ -382,7 +383,7 @@ def plot_loss_vs_mb(runs: list[RunRecord], out_dir: Path, *, stem: str = "loss_v
     if points:
         _legend_outside(ax)
     if annotate:
-        texts = [ax.annotate(labels[id(g["first"].run)] + _seeds_note(g),
+        texts = [ax.annotate(g["label"] + _seeds_note(g),
                              (g["x"], g["y"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
                  for g in groups]
         # every marker's radius in points (scatter's s is its area in points squared), the

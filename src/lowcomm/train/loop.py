@@ -267,6 +267,9 @@ class Trainer:
         preempted, val_loss, divergence, stop_signal = False, None, None, None
         agreement = BoundaryAgreement(self.comm, self.strategy.report_lag(self.strategy.cfg))
         self.model.train()
+        begin = getattr(self.should_stop, "begin", None)  # a StopFlag: from here a stop waits for a boundary
+        if begin is not None:
+            begin()
         step = start
         for step in range(start, train.max_steps):
             lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))

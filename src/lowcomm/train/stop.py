@@ -44,7 +44,7 @@ class StopFlag:
         self.signums = signums
         self.received: int | None = None
         self.honoured = False
-        self.consulted = False  # the loop has asked: it has trained a step since it started
+        self.began = False  # the training loop has started (:meth:`begin`)
         self._displaced: dict[int, Any] = {}
 
     @property
@@ -65,14 +65,17 @@ class StopFlag:
             self.received = signum
 
     def __call__(self) -> bool:
-        self.consulted = True
         return self.requested
+
+    def begin(self) -> None:
+        """The training loop starts (the run restored, its first step next): from here a stop
+        signal has a step boundary to wait for; before, there is nothing to checkpoint."""
+        self.began = True
 
     def honour(self) -> None:
         """The loop has reached the boundary where it leaves (a stop every rank agreed on, or the
-        end of the run)."""
-        if self.requested:
-            self.honoured = True
+        end of the run): a signal from here on has no boundary left to wait for."""
+        self.honoured = True
 
 
 class AnyStop:
@@ -82,7 +85,11 @@ class AnyStop:
         self.flags = flags
 
     def __call__(self) -> bool:
-        return any([flag() for flag in self.flags])  # each consulted
+        return any(flag() for flag in self.flags)
+
+    def begin(self) -> None:
+        for flag in self.flags:
+            flag.begin()
 
     def honour(self) -> None:
         for flag in self.flags:
@@ -93,10 +100,11 @@ class StopDeadline:
     """Once ``signum`` (one of ``flag``'s signals) arrives, the step boundary where the loop acts
     on it must come within ``within_s`` seconds (the loop calls ``flag.honour()`` there); else
     ``expire(signum, began)`` runs, on a thread of its own, and must end the process. A signal
-    that arrives before the loop has first consulted the flag (rendezvous, set-up, a restore, the
-    first step) expires at once, ``began`` False: until then there is nothing a checkpoint at the
-    stop would add to the last one, and a rank waiting at the rendezvous for a peer that has gone
-    would otherwise wait out the whole bound.
+    that arrives before the training loop has begun (``flag.begin()``: the rendezvous, the data,
+    the model, the restore) expires at once, ``began`` False: there is nothing yet that a
+    checkpoint at the stop would add to the last one, and a rank waiting at the rendezvous for a
+    peer that has gone would otherwise wait out the whole bound. A signal that came before
+    :meth:`start` counts from the start.
 
     Python runs a signal handler only when the main thread returns to the interpreter, which a
     main thread blocked in a collective (a stopped peer) or in a long device call does not; so
@@ -113,6 +121,8 @@ class StopDeadline:
         writer.setblocking(False)
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self._sockets = (reader, writer)  # kept open for the process's life
+        if self.flag.received == self.signum:  # it came before the wakeup descriptor was set
+            writer.send(bytes([self.signum]))
         threading.Thread(target=self._watch, args=(reader,), name="lowcomm-stop-deadline", daemon=True).start()
         return self
 
@@ -123,7 +133,7 @@ class StopDeadline:
                 return
             if self.signum in arrived:
                 break
-        began = self.flag.consulted
+        began = self.flag.began
         deadline = time.monotonic() + (self.within_s if began else 0.0)
         while not self.flag.honoured and time.monotonic() < deadline:
             time.sleep(0.05)

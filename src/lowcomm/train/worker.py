@@ -76,6 +76,11 @@ def last_words(rank: int, line: str, *, cause: str | None = None, detail: str | 
     print(f"[lowcomm] rank {rank}: {line}", file=sys.stderr, flush=True)
 
 
+def is_bad_input(exc: BaseException) -> bool:
+    """Data or a config that does not fit the run, found by a rank (:data:`EXIT_BAD_INPUT`)."""
+    return isinstance(exc, (ConfigError, DataError))
+
+
 def describe_failure(exc: BaseException) -> tuple[str, str | None]:
     """``(line, traceback or None)`` for a failure: a known cause by its message alone."""
     if isinstance(exc, OSError) and exc.strerror:  # "Read-only file system: /runs/x/metrics.jsonl"
@@ -172,5 +177,5 @@ if __name__ == "__main__":
     except BaseException as failure:  # noqa: BLE001 - report, then exit without teardown
         line, detail = describe_failure(failure)
         last_words(int(os.environ.get("RANK", "0")), line, detail=detail)
-        code = EXIT_BAD_INPUT if isinstance(failure, (ConfigError, DataError)) else 1
+        code = EXIT_BAD_INPUT if is_bad_input(failure) else 1
     leave_now(code)

@@ -23,7 +23,13 @@ from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
 from lowcomm.train.stop import TERM_BOUNDARY_S, AnyStop, StopDeadline, StopFlag
-from lowcomm.train.worker import leave_now, leave_without_checkpoint
+from lowcomm.train.worker import (
+    EXIT_BAD_INPUT,
+    describe_failure,
+    is_bad_input,
+    leave_now,
+    leave_without_checkpoint,
+)
 
 
 class PreemptionFlag(StopFlag):
@@ -87,11 +93,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log = logging.getLogger("lowcomm")
         lowcomm_log.addHandler(handler)
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        run = validate(load_run_config(self.config_path))
-        StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
-                     lambda signum, began: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S,
-                                                                    began=began)).start()
         try:
+            run = validate(load_run_config(self.config_path))
+            StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
+                         lambda signum, began: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S,
+                                                                        began=began)).start()
             # either flag stops the run; the loop honours both where it leaves (a SIGTERM's deadline)
             result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
         except PeersLost as lost:
@@ -101,6 +107,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 lost.leave()
                 leave_now(128 + signal.SIGTERM)
             leave_after_loss(lost)
+        except Exception as exc:
+            if not is_bad_input(exc):
+                raise
+            # data or a config that does not fit, found on this node (a file missing here): one
+            # line and 2, as before a submission; not requeued, rerunning would find it again
+            print(f"[lowcomm] rank {rank}: {describe_failure(exc)[0]}", flush=True)
+            raise SystemExit(EXIT_BAD_INPUT) from None
         if result.diverged is not None:  # the job fails, not requeued: rerunning it would diverge again
             raise RunDiverged(result.run_dir, result.diverged)
         if result.preempted and stop.requested:
