@@ -76,8 +76,19 @@ def failure_line(rank: int, exitcode: int) -> tuple[str, int]:
             "is above"), exitcode
 
 
+def _help() -> str:
+    from lowcomm.cli.helptext import plain
+
+    return (f"usage: {PROG} [torchrun's options] (-m MODULE | SCRIPT) [its arguments]\n\n"
+            f"{plain(__doc__)}\n"
+            "torchrun's options (--nnodes, --nproc-per-node, --rdzv-*, ...): torchrun --help\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):  # answered without torch (a --help later is the script's)
+        print(_help(), end="")
+        return 0
     _import_agent(quiet="LOGLEVEL" not in os.environ)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
