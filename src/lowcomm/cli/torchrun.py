@@ -65,13 +65,12 @@ def _import_agent(quiet: bool) -> None:
 def failure_line(rank: int, exitcode: int) -> tuple[str, int]:
     """The line for the first worker to fail, and the status to end with: its own, or
     128 + N for a worker killed by signal N (which left no line of its own)."""
+    from lowcomm.launch.local import signal_name
+
     if exitcode < 0:
-        name = signal.Signals(-exitcode).name if -exitcode in set(signal.Signals) else f"signal {-exitcode}"
-        return (f"{PROG}: rank {rank} was killed by {name} (status {128 - exitcode}), the first of this node's to "
-                "end; it left no line"), 128 - exitcode
-    named = ""
-    if exitcode > 128 and exitcode - 128 in set(signal.Signals):
-        named = f" ({signal.Signals(exitcode - 128).name})"
+        return (f"{PROG}: rank {rank} was killed by {signal_name(-exitcode)} (status {128 - exitcode}), the first "
+                "of this node's to end; it left no line"), 128 - exitcode
+    named = f" ({signal_name(exitcode - 128)})" if exitcode > 128 else ""
     return (f"{PROG}: rank {rank} ended with status {exitcode}{named}, the first of this node's to end; its line "
             "is above"), exitcode
 

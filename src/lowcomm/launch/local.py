@@ -87,7 +87,7 @@ class WorkerFailure(RuntimeError):
         self.reported = returncode == EXIT_DIVERGED
         resumes = f"; {resume_note(run_dir)}" if run_dir is not None else ""
         if returncode < 0:
-            name = _signal_name(-returncode)
+            name = signal_name(-returncode)
             self.cause = f"worker rank {rank} was killed by signal {-returncode} ({name})"
             if returncode == -signal.SIGBUS:
                 self.cause += " (a memory-mapped data file shrank or changed while the run read it)"
@@ -111,7 +111,8 @@ class WorkerFailure(RuntimeError):
         return self.returncode if self.returncode in (EXIT_PEERS_LOST, EXIT_DIVERGED, EXIT_BAD_INPUT) else 1
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number no signal has."""
     try:
         return signal.Signals(signum).name
     except ValueError:

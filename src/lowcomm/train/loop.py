@@ -267,9 +267,7 @@ class Trainer:
         preempted, val_loss, divergence, stop_signal = False, None, None, None
         agreement = BoundaryAgreement(self.comm, self.strategy.report_lag(self.strategy.cfg))
         self.model.train()
-        begin = getattr(self.should_stop, "begin", None)  # a StopFlag: from here a stop waits for a boundary
-        if begin is not None:
-            begin()
+        self._tell_stop("begin")  # from here a stop signal waits for a step boundary
         step = start
         for step in range(start, train.max_steps):
             lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))
@@ -362,9 +360,14 @@ class Trainer:
         """Tell ``should_stop`` (where it wants to know: ``honour()``, a
         :class:`~lowcomm.train.stop.StopFlag`) that the loop has reached the boundary it leaves
         at: a SIGTERM's deadline counts to here, not to the boundary that read the request."""
-        honour = getattr(self.should_stop, "honour", None)
-        if honour is not None:
-            honour()
+        self._tell_stop("honour")
+
+    def _tell_stop(self, event: str) -> None:
+        """Call ``should_stop``'s ``begin()`` or ``honour()`` where it has one (a
+        :class:`~lowcomm.train.stop.StopFlag`; a plain callable does not)."""
+        method = getattr(self.should_stop, event, None)
+        if method is not None:
+            method()
 
     # ------------------------------------------------------------ divergence
     @property

@@ -43,9 +43,10 @@ LAUNCHED_LOCALLY = "LOWCOMM_LOCAL_LAUNCHER"
 
 # Failures whose message says all there is to say: no traceback.
 KNOWN_FAILURES = (CheckpointError, DataError, MetricsError, RunDirLocked, OSError)
-# Data that does not fit the run, found by a worker rather than before the launch (a file missing
-# on one node of several, or changed since the launcher checked it): bad input, the status a bad
-# config or the launcher's own data check ends with.
+# Data or a config that does not fit the run, found by a rank rather than before the launch (a
+# file missing on one node of several, or changed since the launcher checked it): bad input, the
+# status a bad config or the launcher's own data check ends with.
+BAD_INPUT = (ConfigError, DataError)
 EXIT_BAD_INPUT = 2
 
 
@@ -74,11 +75,6 @@ def last_words(rank: int, line: str, *, cause: str | None = None, detail: str | 
     if detail:
         print(detail, file=sys.stderr, end="" if detail.endswith("\n") else "\n")
     print(f"[lowcomm] rank {rank}: {line}", file=sys.stderr, flush=True)
-
-
-def is_bad_input(exc: BaseException) -> bool:
-    """Data or a config that does not fit the run, found by a rank (:data:`EXIT_BAD_INPUT`)."""
-    return isinstance(exc, (ConfigError, DataError))
 
 
 def describe_failure(exc: BaseException) -> tuple[str, str | None]:
@@ -120,9 +116,7 @@ def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[
     with RunDirLock(run.run_dir) if env.rank == 0 and not held_by_launcher else contextlib.nullcontext():
         if before is not None and env.rank == 0:
             before()
-        StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
-                     lambda signum, began: leave_without_checkpoint(env.rank, run.run_dir, signum, TERM_BOUNDARY_S,
-                                                                    began=began)).start()
+        watch_sigterm(stop, env.rank, run.run_dir)
         try:
             result = train(run, env, should_stop=stop)
         except PeersLost as lost:
@@ -144,6 +138,14 @@ def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[
         # not finished: the shell's status for the signal, on every rank
         return 128 + signum
     return 0
+
+
+def watch_sigterm(stop: StopFlag, rank: int, run_dir: Path) -> None:
+    """After SIGTERM (one of ``stop``'s signals), this rank reaches its step boundary within
+    :data:`TERM_BOUNDARY_S` or leaves saying why (:class:`StopDeadline`)."""
+    StopDeadline(stop, signal.SIGTERM, TERM_BOUNDARY_S,
+                 lambda signum, began: leave_without_checkpoint(rank, run_dir, signum, TERM_BOUNDARY_S,
+                                                                began=began)).start()
 
 
 def leave_without_checkpoint(rank: int, run_dir: Path, signum: int, within_s: float, *, began: bool = True) -> None:
@@ -177,5 +179,5 @@ if __name__ == "__main__":
     except BaseException as failure:  # noqa: BLE001 - report, then exit without teardown
         line, detail = describe_failure(failure)
         last_words(int(os.environ.get("RANK", "0")), line, detail=detail)
-        code = EXIT_BAD_INPUT if is_bad_input(failure) else 1
+        code = EXIT_BAD_INPUT if isinstance(failure, BAD_INPUT) else 1
     leave_now(code)

@@ -22,13 +22,14 @@ from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
-from lowcomm.train.stop import TERM_BOUNDARY_S, AnyStop, StopDeadline, StopFlag
+from lowcomm.train.stop import AnyStop, StopFlag
 from lowcomm.train.worker import (
+    BAD_INPUT,
     EXIT_BAD_INPUT,
     describe_failure,
-    is_bad_input,
+    last_words,
     leave_now,
-    leave_without_checkpoint,
+    watch_sigterm,
 )
 
 
@@ -95,9 +96,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         lowcomm_log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         try:
             run = validate(load_run_config(self.config_path))
-            StopDeadline(term, signal.SIGTERM, TERM_BOUNDARY_S,
-                         lambda signum, began: leave_without_checkpoint(rank, run.run_dir, signum, TERM_BOUNDARY_S,
-                                                                        began=began)).start()
+            watch_sigterm(term, rank, run.run_dir)
             # either flag stops the run; the loop honours both where it leaves (a SIGTERM's deadline)
             result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
         except PeersLost as lost:
@@ -107,12 +106,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 lost.leave()
                 leave_now(128 + signal.SIGTERM)
             leave_after_loss(lost)
-        except Exception as exc:
-            if not is_bad_input(exc):
-                raise
+        except BAD_INPUT as exc:
             # data or a config that does not fit, found on this node (a file missing here): one
             # line and 2, as before a submission; not requeued, rerunning would find it again
-            print(f"[lowcomm] rank {rank}: {describe_failure(exc)[0]}", flush=True)
+            last_words(rank, describe_failure(exc)[0])
             raise SystemExit(EXIT_BAD_INPUT) from None
         if result.diverged is not None:  # the job fails, not requeued: rerunning it would diverge again
             raise RunDiverged(result.run_dir, result.diverged)
