@@ -40,11 +40,13 @@ from lowcomm.comm.meter import (
     ring_all_reduce_traffic,
 )
 from lowcomm.comm.quantized import (
-    chunk_views,
+    chunk_runs,
     payload_bytes,
-    payload_from_bytes,
     payload_size,
     quantized_all_reduce_traffic,
+    stacked_chunks,
+    stacked_from_bytes,
+    unstacked,
 )
 
 _OPS = {
@@ -331,16 +333,20 @@ class Communicator:
         group = self._route("all_reduce_quantized", "data", *tensors, *out)
         world = self.world_size
         # phase 1, locally: encode every chunk; sent[t][j] is tensor t's chunk j (None: empty)
+        # (each run of equal-shape chunks encoded in one call: a few operations per tensor, not
+        # a few per tensor and rank)
         sent = []
         for tensor in tensors:
-            payloads = []
-            for chunk in chunk_views(tensor.detach(), world):
-                payload = codec.encode(chunk) if chunk is not None else None
-                if payload is not None and residual:
-                    chunk.sub_(codec.decode([payload]).view_as(chunk))
-                payloads.append(payload)
+            payloads: list = [None] * world
+            for run in chunk_runs(tensor.shape, world):
+                chunks = stacked_chunks(tensor.detach(), run)
+                stacked = codec.encode_stacked(chunks)
+                if residual:
+                    chunks.sub_(codec.dequantize(stacked).to(chunks.dtype).view_as(chunks))
+                for row, rank in enumerate(run[0]):
+                    payloads[rank] = unstacked(stacked, row)
             sent.append(payloads)
-        exchange = _QuantizedExchange(self, group, codec, sent, out)
+        exchange = self._quantized_exchange(group, codec, sent, out)
         self._record("all_reduce_quantized", sum(exchange.chunk_bytes),
                      quantized_all_reduce_traffic(exchange.chunk_bytes, self.rank, world), "data")
         exchange.start()
@@ -348,6 +354,11 @@ class Communicator:
             return self._timed(exchange)
         exchange.wait()
         return None
+
+    def _quantized_exchange(self, group, codec, sent: list[list], out: list[torch.Tensor]) -> QuantizedExchange:
+        """The exchange :meth:`all_reduce_quantized` runs (a subclass may move its bytes
+        another way: benchmarks/senders.py's simulated senders)."""
+        return QuantizedExchange(self, group, codec, sent, out)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False, purpose: str = "data"):
         """Broadcast from group rank ``src``; the payload is the source's message."""
@@ -444,7 +455,7 @@ class Communicator:
         return Communicator(group=mine, meter=self.meter, scope=scope, device=self.device, timeout=self.timeout)
 
 
-class _QuantizedExchange:
+class QuantizedExchange:
     """A quantized all-reduce in flight (see :meth:`Communicator.all_reduce_quantized`):
     :meth:`start` issues the all-to-all; :meth:`wait` reduces this rank's chunks, re-encodes
     them, all-gathers and decodes every chunk into the outputs."""
@@ -470,60 +481,90 @@ class _QuantizedExchange:
         send = torch.cat([payload_bytes(payloads[j]) for j in range(world) for payloads in self.sent
                           if payloads[j] is not None] or [torch.empty(0, dtype=torch.uint8)]).to(self.device)
         self.received = torch.empty(world * self.chunk_bytes[rank], dtype=torch.uint8, device=self.device)
-        self.work = dist.all_to_all_single(self.received, send, [self.chunk_bytes[rank]] * world, self.chunk_bytes,
-                                           group=self.group, async_op=True)
+        self.work = self._all_to_all(self.received, send)
+
+    def _all_to_all(self, received: torch.Tensor, send: torch.Tensor):
+        """Phase 2 on the wire: ``send`` holds this rank's chunks for rank 0, 1, ... in turn
+        (``chunk_bytes[j]`` bytes each); ``received`` gets every rank's chunk for this one, in
+        rank order. Returns the work to wait for."""
+        size = self.chunk_bytes[self.comm.rank]
+        return dist.all_to_all_single(received, send, [size] * self.comm.world_size, self.chunk_bytes,
+                                      group=self.group, async_op=True)
+
+    def _all_gather(self, gathered: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Phase 4 on the wire: every rank's reduced chunks (``buffer``, padded to one size)
+        into ``gathered``, in rank order."""
+        dist.all_gather_single(gathered, buffer, group=self.group)
 
     def is_completed(self) -> bool:
         return self.done
 
     def _reduced(self) -> list:
-        """This rank's chunk of every tensor: the W senders' chunks decoded one by one, summed in
-        float32 (float64 for a float64 tensor) in rank order, divided by W and encoded again
-        (None where the chunk is empty)."""
+        """This rank's chunk of every tensor: the W senders' chunks summed in float32 (float64
+        for a float64 tensor) in rank order, divided by W and encoded again (None where the
+        chunk is empty). Each tensor's W chunks are dequantized in one call, into one column
+        block of a W-row matrix per precision, and the rows are summed once for all tensors:
+        a few operations per tensor and W per call, not a few per tensor and sender."""
         world, rank = self.comm.world_size, self.comm.rank
         if world == 1:
             return [payloads[0] for payloads in self.sent]
         self.work.wait()
-        size = self.chunk_bytes[rank]
-        reduced = []
-        for payloads, offsets in zip(self.sent, self.offsets, strict=True):
+        rows = self.received.view(world, -1)  # row s: sender s's chunks of every tensor, for this rank
+        placed, columns = [], {}  # (tensor, template, precision, first column); columns per precision
+        for index, (payloads, offsets) in enumerate(zip(self.sent, self.offsets, strict=True)):
             template = payloads[rank]
             if template is None:
-                reduced.append(None)
                 continue
             # float32 for bf16 / fp32 tensors (torchft's), the tensor's own precision above that
             accumulate = torch.promote_types(template.meta["dtype"], torch.float32)
-            total = None
-            for sender in range(world):
-                piece = payload_from_bytes(self.received[sender * size + offsets[rank]:], template)
-                piece.meta = {**template.meta, "dtype": accumulate}  # decoded straight to the sum's precision
-                decoded = self.codec.decode([piece])
-                total = decoded if total is None else total.add_(decoded)
-            encoded = self.codec.encode(total.div_(world).view(template.meta["shape"]))
+            placed.append((index, template, accumulate, columns.get(accumulate, 0)))
+            columns[accumulate] = columns.get(accumulate, 0) + template.meta["shape"].numel()
+        sums = {dtype: torch.empty(world, count, dtype=dtype, device=self.device) for dtype, count in columns.items()}
+        for index, template, accumulate, first in placed:
+            start = self.offsets[index][rank]
+            stacked = stacked_from_bytes(rows[:, start:start + payload_size(template)], template)
+            sums[accumulate][:, first:first + template.meta["shape"].numel()].copy_(self.codec.dequantize(stacked))
+        for matrix in sums.values():
+            for sender in range(1, world):  # in rank order, one addition per sender for every tensor
+                matrix[0].add_(matrix[sender])
+            matrix[0].div_(world)
+        reduced = [None] * len(self.sent)
+        for index, template, accumulate, first in placed:
+            mean = sums[accumulate][0, first:first + template.meta["shape"].numel()]
+            encoded = self.codec.encode(mean.view(template.meta["shape"]))
             encoded.meta = template.meta  # decoded to the tensor's dtype, like every other rank's chunk
-            reduced.append(encoded)
+            reduced[index] = encoded
         return reduced
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as dist.Work
         if self.done:
             return True
-        world, rank = self.comm.world_size, self.comm.rank
+        world = self.comm.world_size
         reduced = self._reduced()
-        gathered, padded = None, max(self.chunk_bytes)
-        if world > 1:
-            # every rank's reduced chunks, padded to the largest rank's (an all-gather of equal sizes)
-            mine = torch.cat([payload_bytes(p) for p in reduced if p is not None]
-                             or [torch.empty(0, dtype=torch.uint8)]).to(self.device)
-            buffer = torch.zeros(padded, dtype=torch.uint8, device=self.device)
-            buffer[: mine.numel()] = mine
-            gathered = torch.empty(world * padded, dtype=torch.uint8, device=self.device)
-            dist.all_gather_single(gathered, buffer, group=self.group)
-        for payloads, offsets, own, target in zip(self.sent, self.offsets, reduced, self.out, strict=True):
-            for j, chunk in enumerate(chunk_views(target.detach(), world)):
-                if chunk is None:
-                    continue
-                payload = own if j == rank else payload_from_bytes(gathered[j * padded + offsets[j]:], payloads[j])
-                chunk.copy_(self.codec.decode([payload]).view_as(chunk))
+        if world == 1:
+            for own, target in zip(reduced, self.out, strict=True):
+                target.detach().copy_(self.codec.decode([own]).view_as(target))
+            self.done = True
+            return True
+        # every rank's reduced chunks, padded to the largest rank's (an all-gather of equal sizes)
+        padded = max(self.chunk_bytes)
+        mine = torch.cat([payload_bytes(p) for p in reduced if p is not None]
+                         or [torch.empty(0, dtype=torch.uint8)]).to(self.device)
+        buffer = torch.zeros(padded, dtype=torch.uint8, device=self.device)
+        buffer[: mine.numel()] = mine
+        gathered = torch.empty(world * padded, dtype=torch.uint8, device=self.device)
+        self._all_gather(gathered, buffer)
+        for payloads, offsets, target in zip(self.sent, self.offsets, self.out, strict=True):
+            # each run of equal-shape chunks lies end to end in the target: its bytes gathered
+            # and decoded in one call
+            for run in chunk_runs(target.shape, world):
+                ranks = run[0]
+                length = payload_size(payloads[ranks.start])
+                starts = torch.tensor([j * padded + offsets[j] for j in ranks], device=self.device)
+                stacked = stacked_from_bytes(gathered[starts.unsqueeze(1) + torch.arange(length, device=self.device)],
+                                             payloads[ranks.start])
+                chunks = stacked_chunks(target.detach(), run)
+                chunks.copy_(self.codec.dequantize(stacked).view_as(chunks))
         self.done = True
         return True
 

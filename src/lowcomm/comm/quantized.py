@@ -9,8 +9,8 @@ code simulates (``simulate_quantization_after_reduce``):
    encodes each chunk with the codec, its side data (a per-bin table, per-row scales) inside
    the chunk's own payload;
 2. an all-to-all sends chunk j of every tensor to rank j;
-3. rank j decodes the W payloads of its chunks one by one, sums them in float32 (float64 for a
-   float64 tensor) in rank order and divides by W, then encodes the mean again;
+3. rank j decodes the W payloads of its chunks, sums them in float32 (float64 for a float64
+   tensor) in rank order and divides by W, then encodes the mean again;
 4. an all-gather returns every rank's re-encoded chunks to every rank, which decodes them all
    (its own included, so every rank holds the same values).
 
@@ -30,7 +30,12 @@ straight to that precision, so a bf16 tensor's table values are not rounded to b
 
 A codec here is anything with ``encode(tensor) -> payload`` and ``decode([payload]) -> tensor``
 whose payload has a ``tensors`` dict sized by the chunk's shape alone (the
-:class:`lowcomm.compress.base.Codec` contract; this module does not import lowcomm.compress).
+:class:`lowcomm.compress.base.Codec` contract; this module does not import lowcomm.compress),
+``encode_stacked(chunks)`` (k chunks of one shape, stacked, each encoded as ``encode`` would:
+a payload whose tensors carry a leading dimension k) and ``dequantize(payload)`` (such a
+payload's values as a ``(k, numel)`` float32 tensor): a tensor's W chunks are encoded, and
+decoded, in a call or two, not W, so a rank's work at W = 64 is not 64 times a few operations
+per tensor (``benchmarks/senders.py`` measures it).
 """
 
 from __future__ import annotations
@@ -67,6 +72,29 @@ def chunk_shapes(shape: torch.Size | Sequence[int], world_size: int) -> list[tor
             for start, stop in chunk_bounds(shape, world_size)]
 
 
+def chunk_runs(shape: torch.Size | Sequence[int], world_size: int) -> list[tuple[range, int, int]]:
+    """The non-empty chunks of a tensor of ``shape`` in runs of one shape (at most two: the
+    first ``rows % W`` chunks have a row more): ``(ranks, first row, rows per chunk)``. A run's
+    chunks lie end to end in the tensor, so a codec can take them as one stack."""
+    runs: list[tuple[range, int, int]] = []
+    for rank, (start, stop) in enumerate(chunk_bounds(shape, world_size)):
+        if stop == start:
+            break  # the empty chunks are the last ones
+        if runs and runs[-1][2] == stop - start:
+            ranks, first, size = runs[-1]
+            runs[-1] = (range(ranks.start, rank + 1), first, size)
+        else:
+            runs.append((range(rank, rank + 1), start, stop - start))
+    return runs
+
+
+def stacked_chunks(tensor: torch.Tensor, run: tuple[range, int, int]) -> torch.Tensor:
+    """A run's chunks of ``tensor`` (:func:`chunk_runs`) as a view ``(chunks, rows, ...)``."""
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    ranks, first, size = run
+    return rows[first:first + len(ranks) * size].view(len(ranks), size, *rows.shape[1:])
+
+
 def chunk_views(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor | None]:
     """Views of ``tensor``'s W chunks (None for an empty one), in rank order."""
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
@@ -85,16 +113,26 @@ def payload_size(payload: Any | None) -> int:
     return sum(t.numel() * t.element_size() for t in payload.tensors.values())
 
 
-def payload_from_bytes(buffer: torch.Tensor, template: Any) -> Any:
-    """The payload whose bytes are ``buffer``, shaped as ``template`` (a payload of a chunk of
-    the same shape: another rank's tensors have the same shapes and dtypes)."""
+def stacked_from_bytes(rows: torch.Tensor, template: Any) -> Any:
+    """The payloads whose bytes are the rows of ``rows`` (``(k, bytes)``: k ranks' encodings of
+    chunks of one shape), as one payload shaped as ``template`` whose tensors carry a leading
+    dimension k: what a codec's ``dequantize`` reads in one pass."""
     payload = copy.copy(template)
     payload.tensors, offset = {}, 0
     for key, like in template.tensors.items():
         size = like.numel() * like.element_size()
-        # a copy: a view of a uint8 buffer at an odd offset cannot be read as wider elements
-        payload.tensors[key] = buffer[offset:offset + size].clone().view(like.dtype).view(like.shape)
+        # a copy: a uint8 slice at an odd offset cannot be read as wider elements
+        payload.tensors[key] = rows[:, offset:offset + size].clone(memory_format=torch.contiguous_format).view(like.dtype).view(
+            rows.shape[0], *like.shape)
         offset += size
+    return payload
+
+
+def unstacked(stacked: Any, row: int) -> Any:
+    """Row ``row`` of a payload whose tensors carry a leading dimension (a codec's
+    ``encode_stacked``): one chunk's payload, its tensors views of the stack's."""
+    payload = copy.copy(stacked)
+    payload.tensors = {key: value[row] for key, value in stacked.tensors.items()}
     return payload
 
 

@@ -41,6 +41,7 @@ import torch
 from lowcomm.compress.base import Payload
 from lowcomm.compress.block_topk import block_topk
 from lowcomm.compress.dct import BlockLayout
+from lowcomm.compress.dct_topk import ordered_index_add_
 from lowcomm.compress.quantize import BITS, pack_codes, statistical_codes, unpack_codes
 from lowcomm.compress.registry import register_codec
 
@@ -66,11 +67,13 @@ def pack_uint12(values: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
 
 
 def unpack_uint12(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_uint12`: the first ``count`` integers as int64."""
-    triples = packed.reshape(-1, 3).to(torch.int64)
-    first = triples[:, 0] | ((triples[:, 1] & 0x0F) << 8)
-    second = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
-    return torch.stack([first, second], dim=1).reshape(-1)[:count]
+    """Inverse of :func:`pack_uint12`: the first ``count`` integers as int64; of each row, for
+    packed bytes with a leading dimension (several workers' payloads, stacked)."""
+    lead = packed.shape[:-1] if packed.dim() > 1 else ()
+    triples = packed.reshape(*lead, -1, 3).to(torch.int64)
+    first = triples[..., 0] | ((triples[..., 1] & 0x0F) << 8)
+    second = (triples[..., 1] >> 4) | (triples[..., 2] << 4)
+    return torch.stack([first, second], dim=-1).reshape(*lead, -1)[..., :count]
 
 
 @register_codec("chunked_topk")
@@ -141,21 +144,25 @@ class ChunkedTopK:
             tensors.update(codes=pack_codes(codes, self.bits) if self.wire == "packed" else codes, table=table)
         return Payload(tensors=tensors, meta={"shape": tensor.shape, "dtype": tensor.dtype, "layout": layout})
 
-    def _sparse(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat positions, values in the tensor's dtype) of one payload's kept entries."""
+    def _sparse(self, payload: Payload, workers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions, values in the tensor's dtype) of one payload's kept entries; with
+        ``workers``, of that many workers' payloads stacked (each tensor with a leading
+        dimension W, as :func:`~lowcomm.optim.diloco.all_gather_stacked` leaves them):
+        ``(W, kept)`` each."""
         layout: BlockLayout = payload.meta["layout"]
         kept = layout.num_blocks * self.kept_per_block(layout)
+        lead = () if workers is None else (workers,)
         if self.wire in TWELVE_BIT_WIRES:
-            block_index = unpack_uint12(payload.tensors["indices"], kept)
+            block_index = unpack_uint12(payload.tensors["indices"].reshape(*lead, -1), kept)
         else:
-            block_index = payload.tensors["indices"].reshape(-1).long()
-        positions = layout.global_index(block_index.view(layout.num_blocks, -1)).reshape(-1)
+            block_index = payload.tensors["indices"].reshape(*lead, -1).long()
+        positions = layout.global_index(block_index.view(*lead, layout.num_blocks, -1)).reshape(*lead, -1)
         if self.bits is None:
-            values = payload.tensors["values"].reshape(-1)
+            values = payload.tensors["values"].reshape(*lead, -1)
         else:
-            codes = payload.tensors["codes"]
-            codes = unpack_codes(codes, self.bits, kept) if self.wire == "packed" else codes.reshape(-1)
-            values = payload.tensors["table"][codes.long()]
+            codes = payload.tensors["codes"].reshape(*lead, -1)
+            codes = unpack_codes(codes, self.bits, kept) if self.wire == "packed" else codes
+            values = torch.gather(payload.tensors["table"], -1, codes.long())
         return positions, values.to(payload.meta["dtype"])
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
@@ -171,5 +178,20 @@ class ChunkedTopK:
             if senders is not None:
                 senders.index_add_(0, positions, torch.ones_like(values))
         if senders is not None:
+            dense.div_(senders.clamp_(min=1))
+        return dense.view(meta["shape"])
+
+    def decode_gathered(self, gathered: Payload) -> torch.Tensor:
+        """:meth:`decode` of the W workers' payloads an all-gather left stacked (each tensor with
+        a leading dimension W): unpacked, positioned and added in one pass for all W, not one
+        per worker. Each entry's sum runs in worker order, as in :meth:`decode`, so the result
+        is the same bit for bit."""
+        meta = gathered.meta
+        workers = next(iter(gathered.tensors.values())).shape[0]
+        positions, values = self._sparse(gathered, workers)
+        dense = torch.zeros(meta["shape"].numel(), dtype=meta["dtype"], device=values.device)
+        ordered_index_add_(dense, positions, values)
+        if workers > 1:
+            senders = torch.zeros_like(dense).index_add_(0, positions.view(-1), torch.ones_like(values).view(-1))
             dense.div_(senders.clamp_(min=1))
         return dense.view(meta["shape"])

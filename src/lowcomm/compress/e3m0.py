@@ -56,12 +56,22 @@ class E3M0:
 
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> Payload:
-        rows = scale_rows(tensor.shape, self.rowwise)
-        values = tensor.reshape(rows, -1).float()
+        return self._encode(tensor.reshape(scale_rows(tensor.shape, self.rowwise), -1), tensor)
+
+    @torch.no_grad()
+    def encode_stacked(self, chunks: torch.Tensor) -> Payload:
+        """k tensors of one shape (their stack ``(k, *shape)``) encoded in one pass, each as
+        :meth:`encode` encodes it: a payload whose tensors carry a leading dimension k."""
+        rows = scale_rows(chunks.shape[1:], self.rowwise)
+        return self._encode(chunks.reshape(chunks.shape[0], rows, -1), chunks[0])
+
+    def _encode(self, values: torch.Tensor, like: torch.Tensor) -> Payload:
+        """``values``: ``(..., rows, columns)``, one scale per row."""
+        values = values.float()
         if values.numel():
-            scale = values.abs().amax(dim=1, keepdim=True)
+            scale = values.abs().amax(dim=-1, keepdim=True)
         else:
-            scale = values.new_zeros(rows, 1)
+            scale = values.new_zeros(*values.shape[:-1], 1)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         magnitude = values.abs() / safe  # in [0, 1]
         # nearest power of two 2**j (j in -6..0) in linear distance: 2**floor(log2 m) or twice it,
@@ -71,18 +81,21 @@ class E3M0:
         code = (exponent + EXPONENTS).clamp_(min=1)
         code = torch.where(magnitude < 2.0 ** -(EXPONENTS), torch.zeros_like(code), code)
         sign = (values < 0).to(torch.uint8) << 3
-        codes = (code.to(torch.uint8) | sign).reshape(-1)
-        return Payload(tensors={"codes": pack_codes(codes, 4), "scale": scale.reshape(rows).float()},
-                       meta={"shape": tensor.shape, "dtype": tensor.dtype})
+        codes = (code.to(torch.uint8) | sign).flatten(-2)
+        return Payload(tensors={"codes": pack_codes(codes, 4), "scale": scale.flatten(-2).float()},
+                       meta={"shape": like.shape, "dtype": like.dtype})
 
-    def _dequantize(self, payload: Payload) -> torch.Tensor:
+    def dequantize(self, payload: Payload) -> torch.Tensor:
+        """The payload's values in float32, flat; ``(W, numel)`` for W workers' payloads of one
+        shape stacked (tensors with a leading dimension), in one pass."""
         scale = payload.tensors["scale"]
         codes = unpack_codes(payload.tensors["codes"], 4, payload.meta["shape"].numel()).long()
-        codes = codes.view(scale.numel(), -1)
+        lead = scale.shape[:-1]
+        codes = codes.view(*lead, scale.shape[-1], -1)
         exponent = codes & 0b111
         sign = 1.0 - 2.0 * (codes >> 3).float()
-        value = torch.exp2(exponent.float() - EXPONENTS) * scale.view(-1, 1)
-        return torch.where(exponent > 0, sign * value, torch.zeros_like(value)).reshape(-1)
+        value = torch.exp2(exponent.float() - EXPONENTS) * scale.unsqueeze(-1)
+        return torch.where(exponent > 0, sign * value, torch.zeros_like(value)).reshape(*lead, -1)
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
-        return mean_of_dequantized(payloads, self._dequantize)
+        return mean_of_dequantized(payloads, self.dequantize)

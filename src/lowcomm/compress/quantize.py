@@ -39,49 +39,57 @@ METHODS = ("statistical", "linear")
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a flat uint8 tensor of ``bits``-bit codes, 8 // bits codes per byte (zero-padded)."""
+    """Pack a flat uint8 tensor of ``bits``-bit codes, 8 // bits codes per byte (zero-padded);
+    of each row, for codes with leading dimensions (each row padded on its own, so row i's
+    bytes are what packing row i alone gives)."""
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
-    padded_numel = math.ceil(codes.numel() / per_byte) * per_byte
-    padded = torch.zeros(padded_numel, dtype=torch.uint8, device=codes.device)
-    padded[: codes.numel()] = codes
-    groups = padded.view(-1, per_byte)
-    packed = groups[:, 0].clone()
+    padded = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per_byte))
+    groups = padded.view(*codes.shape[:-1], -1, per_byte)
+    packed = groups[..., 0].clone()
     for slot in range(1, per_byte):
-        packed.bitwise_or_(groups[:, slot] << (slot * bits))
+        packed.bitwise_or_(groups[..., slot] << (slot * bits))
     return packed
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``numel`` codes as a flat uint8 tensor."""
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as a flat uint8 tensor; of each
+    row, for packed codes with leading dimensions (several workers' payloads, stacked)."""
     per_byte = 8 // bits
     if per_byte == 1:
-        return packed[:numel]
+        return packed[..., :numel]
     mask = (1 << bits) - 1
     slots = [(packed >> (slot * bits)) & mask for slot in range(per_byte)]
-    return torch.stack(slots, dim=1).view(-1)[:numel]
+    return torch.stack(slots, dim=-1).flatten(-2)[..., :numel]
 
 
 def statistical_codes(values: torch.Tensor, bits: int, range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's statistical quantizer (see the module doc) on a flat tensor: (one uint8
     code per entry, unpacked; the table of 2**bits float32 per-bin means, shift included).
-    Computed in float32 in the reference's order of operations, so codes and table equal its."""
-    values = values.reshape(-1).float()
-    bins = 2**bits
-    shift = values.mean() if values.numel() else values.new_zeros(())
+    Computed in float32 in the reference's order of operations, so codes and table equal its.
+    ``values`` of shape ``(k, n)`` are k tensors quantized each with its own statistics, in one
+    pass: codes ``(k, n)``, tables ``(k, 2**bits)``, row i what row i alone gives."""
+    rows = values.shape[:-1] if values.dim() == 2 else ()
+    values = values.reshape(*rows, -1).float()
+    bins, count = 2**bits, values.shape[-1]
+    shift = values.mean(dim=-1, keepdim=True) if count else values.new_zeros(*rows, 1)
     centred = values - shift
-    sigma = centred.var(correction=1).sqrt() if centred.numel() > 1 else centred.new_zeros(())
+    sigma = centred.var(dim=-1, correction=1, keepdim=True).sqrt() if count > 1 else centred.new_zeros(*rows, 1)
     step = (2 * range_sigmas) * sigma / bins
     # no spread (a constant or a single value): every entry lands in the middle bin, exactly
     step = torch.where((step > 0) & step.isfinite(), step, torch.ones_like(step))
     codes = (centred / step + bins // 2).round_().clamp_(0, bins - 1).to(torch.uint8)
     # per-bin sums and counts as bincount makes them (the same adds in the same order on the
-    # CPU), without its wait for the device on a GPU, where it reads the largest code back
+    # CPU), without its wait for the device on a GPU, where it reads the largest code back;
+    # row i's bins at i * bins, so one index_add_ serves every row
     where = codes.long()
-    sums = centred.new_zeros(bins).index_add_(0, where, centred)
-    counts = torch.zeros(bins, dtype=torch.long, device=where.device).index_add_(0, where, torch.ones_like(where))
-    return codes, sums / counts.float().clamp_(min=1) + shift
+    if rows:
+        where = where + torch.arange(0, rows[0] * bins, bins, device=where.device).unsqueeze(1)
+    sums = centred.new_zeros(*rows, bins).view(-1).index_add_(0, where.view(-1), centred.reshape(-1))
+    counts = torch.zeros(sums.numel(), dtype=torch.long, device=where.device).index_add_(
+        0, where.view(-1), torch.ones_like(where).view(-1))
+    return codes, (sums / counts.float().clamp_(min=1)).view(*rows, bins) + shift
 
 
 @register_codec("quantize")
@@ -117,35 +125,39 @@ class Quantize:
         return code_bytes + 4 * side_floats
 
     def encode(self, tensor: torch.Tensor) -> Payload:
-        values = tensor.reshape(-1).float()
+        return self._encode(tensor.reshape(-1), tensor)
+
+    def encode_stacked(self, chunks: torch.Tensor) -> Payload:
+        """k tensors of one shape (``chunks``, their stack ``(k, *shape)``), each encoded with its
+        own statistics as :meth:`encode` would, in one pass: a payload whose tensors carry a
+        leading dimension k (row i: :meth:`encode` of ``chunks[i]``)."""
+        return self._encode(chunks.reshape(chunks.shape[0], -1), chunks[0])
+
+    def _encode(self, values: torch.Tensor, like: torch.Tensor) -> Payload:
+        values = values.float()
         if self.method == "statistical":
-            codes, side = self._encode_statistical(values)
+            codes, side = statistical_codes(values, self.bits, self.range_sigmas)
             side_key = "table"
         else:
-            codes, side = self._encode_linear(values)
-            side_key = "range"
+            low, high = values.amin(dim=-1, keepdim=True), values.amax(dim=-1, keepdim=True)
+            scale = (high - low) / (self.num_bins - 1)
+            safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            codes = ((values - low) / safe_scale).round_().clamp_(0, self.num_bins - 1).to(torch.uint8)
+            side, side_key = torch.cat([low, scale], dim=-1), "range"
         return Payload(
             tensors={"codes": pack_codes(codes, self.bits), side_key: side},
-            meta={"shape": tensor.shape, "dtype": tensor.dtype},
+            meta={"shape": like.shape, "dtype": like.dtype},
         )
 
-    def _encode_statistical(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return statistical_codes(values, self.bits, self.range_sigmas)
-
-    def _encode_linear(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        low, high = values.min(), values.max()
-        scale = (high - low) / (self.num_bins - 1)
-        safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = ((values - low) / safe_scale).round_().clamp_(0, self.num_bins - 1).to(torch.uint8)
-        return codes, torch.stack([low, scale])
-
-    def _dequantize(self, payload: Payload) -> torch.Tensor:
+    def dequantize(self, payload: Payload) -> torch.Tensor:
+        """The payload's values in float32, flat; for a payload whose tensors carry leading
+        dimensions (W workers' payloads of one shape, stacked), ``(W, numel)``: one pass for all."""
         numel = payload.meta["shape"].numel()
         codes = unpack_codes(payload.tensors["codes"], self.bits, numel).long()
         if self.method == "statistical":
-            return payload.tensors["table"][codes]
-        low, scale = payload.tensors["range"]
-        return low + codes.float() * scale
+            return torch.gather(payload.tensors["table"], -1, codes)
+        side = payload.tensors["range"]
+        return side[..., 0:1] + codes.float() * side[..., 1:2]
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
-        return mean_of_dequantized(payloads, self._dequantize)
+        return mean_of_dequantized(payloads, self.dequantize)

@@ -50,13 +50,13 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.meter import WireBytes, ring_all_gather_bytes, ring_all_reduce_bytes
-from lowcomm.comm.quantized import encoded_sizes, quantized_all_reduce_bytes
+from lowcomm.comm.quantized import encoded_sizes, quantized_all_reduce_bytes, unstacked
 from lowcomm.compress.base import Codec, Payload
 from lowcomm.compress.error_feedback import ErrorFeedback
 from lowcomm.optim.args import Args, one_of_error
 
 __all__ = ["EXCHANGES", "DiLoCo", "DiLoCoArgs", "OuterArgs", "PendingMean", "all_gather_payloads",
-           "reduces_quantized", "sync_traffic"]
+           "all_gather_stacked", "reduces_quantized", "sync_traffic"]
 
 EXCHANGES = ("all_reduce", "all_gather")
 
@@ -64,18 +64,37 @@ InnerOptimizer = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], to
 
 
 def all_gather_payloads(comm: Communicator, payloads: Sequence[Payload]) -> list[list[Payload]]:
-    """All-gather one payload per tensor from every worker: ``gathered[rank][i]``.
+    """All-gather one payload per tensor from every worker: ``gathered[rank][i]`` (the rows of
+    :func:`all_gather_stacked`'s payloads)."""
+    stacked = all_gather_stacked(comm, payloads)
+    return [[unstacked(payload, rank) for payload in stacked] for rank in range(comm.world_size)]
 
-    The payloads' tensors are concatenated per dtype into one flat buffer, so a
-    synchronisation costs one all-gather per wire dtype (e.g. uint8 codes and float32 tables)
-    rather than one per tensor; the metered payload is exactly the sum of ``Payload.nbytes``.
-    Every worker must pass payloads of the same shapes (codecs size them from the tensor's
-    shape only). ``meta`` is rebuilt locally, never sent.
+
+def all_gather_stacked(comm: Communicator, payloads: Sequence[Payload]) -> list[Payload]:
+    """All-gather one payload per tensor from every worker, as one payload per tensor whose
+    tensors carry a leading dimension of the W workers, in rank order: what a codec decodes in
+    one pass (:meth:`~lowcomm.compress.chunked_topk.ChunkedTopK.decode_gathered`).
+
+    The payloads' tensors are concatenated per dtype into one flat buffer, gathered into one
+    ``W x`` buffer, so a synchronisation costs one all-gather per wire dtype (e.g. uint8 codes
+    and float32 tables) rather than one per tensor; the metered payload is exactly the sum of
+    ``Payload.nbytes``. Every worker must pass payloads of the same shapes (codecs size them
+    from the tensor's shape only). ``meta`` is rebuilt locally, never sent.
     """
-    gathered = [[Payload(tensors={}, meta=p.meta) for p in payloads] for _ in range(comm.world_size)]
+    world = comm.world_size
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in payloads]
     for entries in _segments(payloads).values():
-        _cut(comm.all_gather(_flat(payloads, entries)), entries, gathered)
-    return gathered
+        flat = _flat(payloads, entries)
+        buffer = flat.new_empty(world * flat.numel())  # flat: gloo wants the output one-dimensional
+        comm.all_gather_into_tensor(buffer, flat)
+        buffer = buffer.view(world, -1)
+        offset = 0
+        for index, key, shape in entries:
+            piece = buffer[:, offset:offset + shape.numel()]
+            gathered[index][key] = piece.unflatten(1, shape) if len(shape) else piece.view(world)
+            offset += shape.numel()
+    return [Payload(tensors={key: tensors[key] for key in payload.tensors}, meta=payload.meta)
+            for payload, tensors in zip(payloads, gathered, strict=True)]
 
 
 Segment = list[tuple[int, str, torch.Size]]  # (payload index, tensor key, shape) of one wire dtype
@@ -373,12 +392,13 @@ class DiLoCo(torch.optim.Optimizer):
     def _gather_payloads(self) -> list[list[Payload]]:
         """Encode each Delta_i (through the error-feedback accumulator, if any) and all-gather
         the payloads: ``gathered[rank][i]``."""
+        return all_gather_payloads(self.comm, self._encoded())
+
+    def _encoded(self) -> list[Payload]:
+        """Each Delta_i encoded, through the error-feedback accumulator if any."""
         if self._feedback is not None:
-            payloads = [self._feedback.compress(error, delta)
-                        for error, delta in zip(self._error, self._params, strict=True)]
-        else:
-            payloads = [self.compressor.encode(delta) for delta in self._params]
-        return all_gather_payloads(self.comm, payloads)
+            return [self._feedback.compress(error, delta) for error, delta in zip(self._error, self._params, strict=True)]
+        return [self.compressor.encode(delta) for delta in self._params]
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from lowcomm.comm import Communicator
 from lowcomm.compress.chunked_topk import MAX_PACKED_CHUNK, TWELVE_BIT_WIRES, WIRES, ChunkedTopK
 from lowcomm.compress.quantize import BITS
 from lowcomm.optim.args import one_of_error
-from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, InnerOptimizer, OuterArgs
+from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs, InnerOptimizer, OuterArgs, all_gather_stacked
 
 __all__ = ["SparseLoCo", "SparseLoCoArgs"]
 
@@ -109,6 +109,6 @@ class SparseLoCo(DiLoCo):
         if self.aggregate == "mean":
             super()._average_compressed()
             return
-        gathered = self._gather_payloads()
-        for index, delta in enumerate(self._params):
-            delta.copy_(self.compressor.decode([worker[index] for worker in gathered]))
+        # each tensor's W payloads in one pass (decode_gathered), not one pass per worker
+        for delta, gathered in zip(self._params, all_gather_stacked(self.comm, self._encoded()), strict=True):
+            delta.copy_(self.compressor.decode_gathered(gathered))
