@@ -321,67 +321,91 @@ def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> N
             param.grad.copy_(grad)
 
 
+@dataclass
+class Setup:
+    """One method's configuration and model, and the parameters every W starts from."""
+
+    name: str
+    raw: dict
+    strategy_class: type
+    cfg: object
+    model: torch.nn.Module
+    initial: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, name: str, model_name: str = "tiny", blocks: int | None = None, device: str = "cpu") -> Setup:
+        raw, strategy_class, cfg = _config(name, model_name, blocks)
+        model = _model(name, raw, torch.device(device))
+        return cls(name, raw, strategy_class, cfg, model, [param.detach().clone() for param in model.parameters()])
+
+    def build(self, comm: Communicator) -> _Built:
+        return _build(self.name, self.model, self.raw, self.strategy_class, self.cfg, comm)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), self.initial, strict=True):
+                param.copy_(value)
+                param.grad = None
+
+
+def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, spread: float = 1.0) -> dict:
+    """Rank 0's step with ``world`` senders (1: a plain Communicator, no exchange), from the
+    setup's parameters: the other senders recorded first (``warmup`` + 1 steps each, the last
+    recorded: the state rank 0's first timed step starts from), then ``warmup`` and ``steps``
+    timed steps of rank 0, each receiving what the senders sent in that recorded step. Returns the median ``ms``,
+    the MB received per step (``rx_MB``) and the ``params`` rank 0 ends with; leaves the setup's
+    parameters as they were."""
+    from lowcomm.train.loop import DeviceClock
+
+    device = setup.initial[0].device
+    clock = DeviceClock(device)
+    received = None
+    if world > 1:
+        recorders = []
+        for sender in range(1, world):
+            comm = SimulatedSenders(world, sender, device, record=True)
+            built = setup.build(comm)
+            _set_grads(built.params, _gradients(built.params, sender, spread))
+            for _ in range(warmup + 1):  # the last recorded: the step rank 0's first timed one matches
+                comm.begin_step()
+                built.step()
+            recorders.append(comm)
+            setup.restore()
+        received = SimulatedSenders.received_from(recorders)
+    comm = Communicator(device=device) if world == 1 else SimulatedSenders(world, 0, device, received=received)
+    built = setup.build(comm)
+    own = _gradients(built.params, 0, spread)
+    times, rx = [], []
+    for index in range(warmup + steps):
+        _set_grads(built.params, own)
+        if isinstance(comm, SimulatedSenders):
+            comm.begin_step()
+        started = clock()
+        built.step()
+        elapsed = clock() - started
+        rx.append(comm.meter.step_bytes("rx"))
+        comm.meter.end_step()
+        if index >= warmup:
+            times.append(elapsed)
+    params = [param.detach().clone() for param in built.params]
+    setup.restore()
+    return {"ms": statistics.median(times) * 1e3, "rx_MB": statistics.median(rx) / 1e6, "params": params}
+
+
 def measure(name: str, workers: list[int], *, model_name: str = "tiny", blocks: int | None = None,
             steps: int = 5, warmup: int = 2, spread: float = 1.0, device: str = "cpu",
             progress: Callable[[str], None] = print) -> dict[int, dict[str, float]]:
-    """Method ``name``'s step at each W of ``workers``: ``{W: {"ms": median, "rx_MB": received
-    per step}}``. Each W starts from the same parameters: the senders are recorded first
-    (``warmup`` steps each, the last recorded), then rank 0 steps ``warmup`` times and
-    ``steps`` timed times."""
-    from lowcomm.train.loop import DeviceClock
-
-    torch_device = torch.device(device)
-    clock = DeviceClock(torch_device)
-    raw, strategy_class, cfg = _config(name, model_name, blocks)
-    model = _model(name, raw, torch_device)
-    initial = [param.detach().clone() for param in model.parameters()]
+    """Method ``name``'s step at each W of ``workers`` (:func:`with_senders`), each from the
+    same parameters: ``{W: {"ms": median, "rx_MB": received per step}}``."""
+    setup = Setup.of(name, model_name, blocks, device)
     results = {}
     for world in workers:
         began = time.perf_counter()
-        received = None
-        if world > 1:
-            recorders = []
-            for sender in range(1, world):
-                comm = SimulatedSenders(world, sender, torch_device, record=True)
-                built = _build(name, model, raw, strategy_class, cfg, comm)
-                _set_grads(built.params, _gradients(built.params, sender, spread))
-                for _ in range(warmup):
-                    comm.begin_step()
-                    built.step()
-                recorders.append(comm)
-                del built
-                _restore(model, initial)
-            received = SimulatedSenders.received_from(recorders)
-            del recorders
-        comm = Communicator(device=torch_device) if world == 1 else SimulatedSenders(world, 0, torch_device,
-                                                                                     received=received)
-        built = _build(name, model, raw, strategy_class, cfg, comm)
-        own = _gradients(built.params, 0, spread)
-        times, rx = [], []
-        for index in range(warmup + steps):
-            _set_grads(built.params, own)
-            if isinstance(comm, SimulatedSenders):
-                comm.begin_step()
-            started = clock()
-            built.step()
-            elapsed = clock() - started
-            rx.append(comm.meter.step_bytes("rx"))
-            comm.meter.end_step()
-            if index >= warmup:
-                times.append(elapsed)
-        results[world] = {"ms": statistics.median(times) * 1e3, "rx_MB": statistics.median(rx) / 1e6}
-        progress(f"[senders] {name} W={world}: {results[world]['ms']:.1f} ms/step, "
-                 f"{results[world]['rx_MB']:.3f} MB received ({time.perf_counter() - began:.0f} s)")
-        del built, comm, received
-        _restore(model, initial)
+        result = with_senders(setup, world, steps=steps, warmup=warmup, spread=spread)
+        results[world] = {"ms": result["ms"], "rx_MB": result["rx_MB"]}
+        progress(f"[senders] {name} W={world}: {result['ms']:.1f} ms/step, {result['rx_MB']:.3f} MB received "
+                 f"({time.perf_counter() - began:.0f} s)")
     return results
-
-
-def _restore(model: torch.nn.Module, initial: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for param, value in zip(model.parameters(), initial, strict=True):
-            param.copy_(value)
-            param.grad = None
 
 
 def table(results: dict[str, dict[int, dict[str, float]]], workers: list[int]) -> str:
