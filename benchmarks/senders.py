@@ -32,7 +32,10 @@ Methods (``--methods``):
   that does not grow with W (a ring's reduction is (W-1)/W of the tensor per rank).
 
 The table gives each method's median step at each W, its ratio to W = 1, and the MB it
-received per step (the Communicator's meter, as in training: the ring's rx). The shapes are
+received per step (the Communicator's meter, as in training: the ring's rx). A step's time is the
+method's own: what the simulated backend spends writing the received bytes into the buffers (a
+copy of W-1 payloads; on a network the NIC's and the collective's) is timed apart and printed
+as its own column, not counted in the step. The shapes are
 OLMo's (``--model``: ``tiny`` on a CPU; ``olmo_300m`` or ``olmo_1b`` on a GPU, ``--blocks`` of
 their transformer blocks). Last, one JSON line with every figure.
 
@@ -44,11 +47,12 @@ their transformer blocks). Last, one JSON line with every figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +116,7 @@ class SimulatedSenders(Communicator):
         self.received, self.record = received, record
         self.calls: list[tuple[str, torch.Tensor]] = []
         self._call = 0
+        self.wire_s = 0.0
 
     @staticmethod
     def received_from(recorders: list[SimulatedSenders]) -> list[tuple[str, torch.Tensor]]:
@@ -130,6 +135,22 @@ class SimulatedSenders(Communicator):
     def begin_step(self) -> None:
         self.calls.clear()
         self._call = 0
+        self.wire_s = 0.0
+
+    @contextlib.contextmanager
+    def wire(self) -> Iterator[None]:
+        """Times what stands in for the backend (its writes into the receive buffers, a sum
+        all-reduce's reduction), so that it can be told apart from the method's own work: the
+        step's time less :attr:`wire_s` is the method's. On a GPU the device is synchronised
+        on both sides (a cost of the measurement, not of the method)."""
+        synchronise = torch.cuda.synchronize if self.device is not None and self.device.type == "cuda" else None
+        if synchronise:
+            synchronise()
+        started = time.perf_counter()
+        yield
+        if synchronise:
+            synchronise()
+        self.wire_s += time.perf_counter() - started
 
     def _others(self, kind: str, sent: torch.Tensor) -> torch.Tensor | None:
         """What the other ranks sent in this call (None: what this one sends), recording this
@@ -152,19 +173,22 @@ class SimulatedSenders(Communicator):
         self._record("all_gather", nbytes(tensor), ring_all_gather_traffic(nbytes(tensor), self.world_size), purpose)
         rows, flat = output.view(self.world_size, -1), tensor.reshape(-1)
         others = self._others("all_gather", flat)
-        if others is None:
-            rows.copy_(flat.expand_as(rows))
-        else:
-            rows[0].copy_(flat)
-            rows[1:].copy_(others)
+        with self.wire():
+            if others is None:
+                rows.copy_(flat.expand_as(rows))
+            else:
+                rows[0].copy_(flat)
+                rows[1:].copy_(others)
         return _Done([output]) if async_op else None
 
     def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False, purpose: str = "data"):
         self._route("all_gather", purpose, tensor)
         self._record("all_gather", nbytes(tensor), ring_all_gather_traffic(nbytes(tensor), self.world_size), purpose)
         others = self._others("all_gather", tensor)
-        rest = [tensor.clone() for _ in range(self.world_size - 1)] if others is None else [row.clone() for row in others]
-        gathered = [tensor.clone(), *rest] if self.rank == 0 else [*rest[:self.rank], tensor.clone(), *rest[self.rank:]]
+        with self.wire():
+            rest = ([tensor.clone() for _ in range(self.world_size - 1)] if others is None
+                    else [row.clone() for row in others])
+            gathered = [*rest[:self.rank], tensor.clone(), *rest[self.rank:]]
         return (gathered, _Done(gathered)) if async_op else gathered
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
@@ -172,10 +196,11 @@ class SimulatedSenders(Communicator):
         self._record("all_reduce", nbytes(tensor), ring_all_reduce_traffic(nbytes(tensor), self.world_size), purpose)
         if op in ("sum", "avg") and purpose == "data":
             others = self._others("all_reduce", tensor)
-            if others is None:
-                tensor.mul_(self.world_size)
-            else:
-                tensor.add_(others)
+            with self.wire():  # the backend's reduction
+                if others is None:
+                    tensor.mul_(self.world_size)
+                else:
+                    tensor.add_(others)
             if op == "avg":
                 tensor.div_(self.world_size)
         # control traffic (flags, maxima) and max / min: every rank holds the same value
@@ -213,11 +238,12 @@ class _SimulatedExchange(QuantizedExchange):
         # what this rank sends rank 0 is the first of its parts: what a recorder gives rank 0
         others = self.comm._others("all_to_all", send[:self.chunk_bytes[0]])  # noqa: SLF001 - its own class's
         rows = received.view(world, -1)
-        if others is None:
-            rows.copy_(mine.expand_as(rows))
-        else:
-            rows[0].copy_(mine)
-            rows[1:].copy_(others)
+        with self.comm.wire():
+            if others is None:
+                rows.copy_(mine.expand_as(rows))
+            else:
+                rows[0].copy_(mine)
+                rows[1:].copy_(others)
         return _Done([received])
 
     def _all_gather(self, gathered: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -225,8 +251,9 @@ class _SimulatedExchange(QuantizedExchange):
         rows = gathered.view(world, -1)
         others = self.comm._others("all_gather_reduced", buffer)  # noqa: SLF001
         if others is not None:
-            rows[0].copy_(buffer)
-            rows[1:].copy_(others)
+            with self.comm.wire():
+                rows[0].copy_(buffer)
+                rows[1:].copy_(others)
             return
         # every rank's reduced chunk j read as what this rank sent as chunk j: well-formed bytes
         for j in range(world):
@@ -354,7 +381,8 @@ def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, s
     recorded: the state rank 0's first timed step starts from), then ``warmup`` and ``steps``
     timed steps of rank 0, each receiving what the senders sent in that recorded step. Returns the median ``ms``,
     the MB received per step (``rx_MB``) and the ``params`` rank 0 ends with; leaves the setup's
-    parameters as they were."""
+    parameters as they were. ``ms`` is the method's own: the step's time less what the
+    simulated backend spent writing the received bytes (``wire_ms``)."""
     from lowcomm.train.loop import DeviceClock
 
     device = setup.initial[0].device
@@ -375,7 +403,7 @@ def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, s
     comm = Communicator(device=device) if world == 1 else SimulatedSenders(world, 0, device, received=received)
     built = setup.build(comm)
     own = _gradients(built.params, 0, spread)
-    times, rx = [], []
+    times, wire, rx = [], [], []
     for index in range(warmup + steps):
         _set_grads(built.params, own)
         if isinstance(comm, SimulatedSenders):
@@ -386,10 +414,12 @@ def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, s
         rx.append(comm.meter.step_bytes("rx"))
         comm.meter.end_step()
         if index >= warmup:
-            times.append(elapsed)
+            wire.append(getattr(comm, "wire_s", 0.0))
+            times.append(elapsed - wire[-1])
     params = [param.detach().clone() for param in built.params]
     setup.restore()
-    return {"ms": statistics.median(times) * 1e3, "rx_MB": statistics.median(rx) / 1e6, "params": params}
+    return {"ms": statistics.median(times) * 1e3, "wire_ms": statistics.median(wire) * 1e3,
+            "rx_MB": statistics.median(rx) / 1e6, "params": params}
 
 
 def measure(name: str, workers: list[int], *, model_name: str = "tiny", blocks: int | None = None,
@@ -402,23 +432,26 @@ def measure(name: str, workers: list[int], *, model_name: str = "tiny", blocks: 
     for world in workers:
         began = time.perf_counter()
         result = with_senders(setup, world, steps=steps, warmup=warmup, spread=spread)
-        results[world] = {"ms": result["ms"], "rx_MB": result["rx_MB"]}
+        results[world] = {key: result[key] for key in ("ms", "wire_ms", "rx_MB")}
         progress(f"[senders] {name} W={world}: {result['ms']:.1f} ms/step, {result['rx_MB']:.3f} MB received "
-                 f"({time.perf_counter() - began:.0f} s)")
+                 f"(the simulated backend's writes: {result['wire_ms']:.1f} ms more; "
+                 f"{time.perf_counter() - began:.0f} s)")
     return results
 
 
 def table(results: dict[str, dict[int, dict[str, float]]], workers: list[int]) -> str:
-    """The markdown table: per method, ms and x W=1 at each W, then MB received per step."""
-    first = workers[0]
+    """The markdown table: per method, its own ms and x the first W at each W, the MB received
+    per step, and the ms the simulated backend spent writing them (not in the method's)."""
+    first, more = workers[0], workers[1:]
     head = ["method", *(f"W={w} ms" + ("" if w == first else f" (x W={first})") for w in workers),
-            *(f"MB rx W={w}" for w in workers)]
+            *(f"MB rx W={w}" for w in workers), *(f"writes ms W={w}" for w in more)]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, by_world in results.items():
         base = by_world[first]["ms"]
         cells = [f"{by_world[w]['ms']:.1f}" + ("" if w == first else f" ({by_world[w]['ms'] / base:.2f}x)")
                  for w in workers]
         cells += [f"{by_world[w]['rx_MB']:.3f}" for w in workers]
+        cells += [f"{by_world[w]['wire_ms']:.1f}" for w in more]
         lines.append(f"| {METHODS[name].label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -457,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"model": args.model, "blocks": args.blocks, "device": device, "spread": args.spread,
                       "steps": {name: {str(w): round(r["ms"], 3) for w, r in by.items()} for name, by in results.items()},
                       "rx_MB": {name: {str(w): round(r["rx_MB"], 6) for w, r in by.items()}
-                                for name, by in results.items()}}))
+                                for name, by in results.items()},
+                      "writes_ms": {name: {str(w): round(r["wire_ms"], 3) for w, r in by.items()}
+                                    for name, by in results.items()}}))
     return 0
 
 

@@ -149,7 +149,41 @@ def _profile(trainer, steps: int) -> dict:
     return vars(window)
 
 
-def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_steps=0):
+def _checkpoint_write(trainer, step: int) -> dict:
+    """One checkpoint of the warm Trainer, written as the loop writes its own (every rank its
+    share, atomically): the seconds until the slowest rank's files are on disk, and the bytes
+    this rank wrote."""
+    before = set(trainer.checkpoints.root.rglob("*")) if trainer.checkpoints.root.exists() else set()
+    torch.distributed.barrier()
+    began = time.perf_counter()
+    trainer.checkpoints.save(step, trainer.model, trainer.optimizer, consumed=0)
+    torch.distributed.barrier()
+    seconds = time.perf_counter() - began
+    written = [path for path in trainer.checkpoints.root.rglob("*") if path.is_file() and path not in before]
+    return {"seconds": seconds, "bytes": sum(path.stat().st_size for path in written)}
+
+
+def _worker(rank, world, override_sets, steps, repeats, root, device_type, profile_steps=0, bare_loop=True,
+            checkpoint=False):
+    """Each set of overrides in turn, in this one process: its bare loop (unless not
+    ``bare_loop``), its lowcomm loop, ``repeats`` times alternating; a list of results. A set
+    that cannot run (a method that needs more workers) gives ``{"error": ...}``."""
+    results = []
+    for overrides in override_sets:
+        try:
+            results.append(_measure_one(rank, world, overrides, steps, repeats, root, device_type, profile_steps,
+                                        bare_loop, checkpoint))
+        except Exception as exc:  # noqa: BLE001 - one method's failure is its row, not the run's end
+            if len(override_sets) == 1:
+                raise
+            results.append({"error": " ".join(str(exc).split())[:300]})
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _measure_one(rank, world, overrides, steps, repeats, root, device_type, profile_steps, bare_loop, checkpoint):
     import shutil
 
     from lowcomm.config import validate
@@ -175,10 +209,11 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_s
     for _ in range(repeats):
         trainer = None  # the last repeat's Trainer is dropped: its memory is not the next loops'
         gc.collect()
-        _reset_peak_memory(device)
-        bare.append(_bare_loop(baseline, data, steps, device,
-                               getattr(run.optimizer, "bucket_cap_mb", baseline.optimizer.bucket_cap_mb)))
-        bare_memory.append(_peak_memory_mb(device))
+        if bare_loop:
+            _reset_peak_memory(device)
+            bare.append(_bare_loop(baseline, data, steps, device,
+                                   getattr(run.optimizer, "bucket_cap_mb", baseline.optimizer.bucket_cap_mb)))
+            bare_memory.append(_peak_memory_mb(device))
         if rank == 0:
             shutil.rmtree(run.run_dir, ignore_errors=True)
         torch.distributed.barrier()
@@ -190,21 +225,35 @@ def _worker(rank, world, overrides, steps, repeats, root, device_type, profile_s
         our_memory.append(_peak_memory_mb(device))
         torch.distributed.barrier()
     profiled = _profile(trainer, profile_steps) if profile_steps else None
+    written = _checkpoint_write(trainer, 2 * steps + 1) if checkpoint else None
     parameters = count_parameters(build_model(run.model, "meta"))
     return {"bare": bare, "lowcomm": ours, "run": run.run_name, "tokens_per_step":
-            run.train.global_batch_size * run.train.seq_len, "memory_bare": max(bare_memory),
+            run.train.global_batch_size * run.train.seq_len, "memory_bare": max(bare_memory, default=float("nan")),
             "memory_lowcomm": max(our_memory), "parameters": parameters,
             "flops_per_token": flops_per_token(run.model, parameters, run.train.seq_len),
-            "model": run.model.name, "optimizer": run.optimizer_name, "profile": profiled}
+            "model": run.model.name, "optimizer": run.optimizer_name, "profile": profiled, "checkpoint": written}
 
 
 def measure(workers: int, steps: int, repeats: int, device: str, overrides: list[str],
-            peak_flops: float | None = None, profile_steps: int = 0) -> dict:
+            peak_flops: float | None = None, profile_steps: int = 0, checkpoint: bool = False) -> dict:
     """Both loops on ``workers`` processes: the best tokens/s of each (``bare``, ``lowcomm``),
     every window's (``all_*``), peak memory per worker (``memory_*``, MB), FLOPs per token and
     lowcomm's MFU both ways (``mfu_6n``, ``mfu_olmo_core``; None without a peak: on CPU unless
     ``peak_flops`` is given). With ``profile_steps``, ``profile``: rank 0's
-    :class:`profiles.Breakdown` of that many more of lowcomm's steps (else None)."""
+    :class:`profiles.Breakdown` of that many more of lowcomm's steps (else None). With
+    ``checkpoint``, ``checkpoint``: the seconds and rank 0's bytes of one checkpoint written
+    after the loops (else None)."""
+    return measure_each(workers, steps, repeats, device, [overrides], peak_flops, profile_steps,
+                        checkpoint=checkpoint)[0]
+
+
+def measure_each(workers: int, steps: int, repeats: int, device: str, override_sets: list[list[str]],
+                 peak_flops: float | None = None, profile_steps: int = 0, bare_loop: bool = True,
+                 checkpoint: bool = False) -> list[dict]:
+    """:func:`measure` of each set of overrides, all in the same worker processes (one start
+    for all: a table of methods); without ``bare_loop`` only lowcomm's loop runs (``bare`` is
+    then NaN). A set that cannot run (several sets only) is ``{"error": ...}``. The data are
+    the first set's."""
     peak_flops = peak_flops or (
         (bf16_peak_flops(torch.cuda.get_device_name(0)) or H100_BF16_PEAK_FLOPS) if device == "cuda" else None)
 
@@ -214,13 +263,22 @@ def measure(workers: int, steps: int, repeats: int, device: str, overrides: list
     from lowcomm.data import materialize
 
     with tempfile.TemporaryDirectory() as root:
-        run = validate(compose([f"run_root={root}", f"cluster.workers={workers}", *overrides]))
+        run = validate(compose([f"run_root={root}", f"cluster.workers={workers}", *override_sets[0]]))
         materialize(run.data, run.train.seq_len, root, run.model.tokenizer)
-        results = spawn_workers(_worker, workers, overrides, steps, repeats, root, device, profile_steps,
-                                timeout_s=3600, backend="nccl" if device == "cuda" else "gloo")
+        per_rank = spawn_workers(_worker, workers, override_sets, steps, repeats, root, device, profile_steps,
+                                 bare_loop, checkpoint, timeout_s=3600,
+                                 backend="nccl" if device == "cuda" else "gloo")
+    return [_summarised([results[index] for results in per_rank], workers, peak_flops)
+            for index in range(len(override_sets))]
+
+
+def _summarised(results: list[dict], workers: int, peak_flops: float | None) -> dict:
+    """One set's results over the ranks: rank 0's figures, the best windows, the MFUs."""
     out = results[0]
+    if "error" in out:
+        return out
     flops = out["flops_per_token"]
-    best = {"bare": max(out["bare"]), "lowcomm": max(out["lowcomm"])}
+    best = {"bare": max(out["bare"], default=float("nan")), "lowcomm": max(out["lowcomm"])}
     # per loop and FLOP count: {"bare_6n": ..., "lowcomm_olmo_core": ...}; lowcomm's also as mfu_*
     mfu = {f"{loop}_{name}": None if peak_flops is None else per_token * best[loop] / (workers * peak_flops)
            for loop in best for name, per_token in (("6n", flops.six_n), ("olmo_core", flops.olmo_core))}
@@ -229,7 +287,8 @@ def measure(workers: int, steps: int, repeats: int, device: str, overrides: list
             "memory_bare": max(r["memory_bare"] for r in results),
             "memory_lowcomm": max(r["memory_lowcomm"] for r in results),
             "profile": None if out["profile"] is None else Breakdown(**out["profile"]),
-            **{key: out[key] for key in ("model", "optimizer", "parameters", "tokens_per_step", "flops_per_token")}}
+            **{key: out[key] for key in ("model", "optimizer", "parameters", "tokens_per_step", "flops_per_token",
+                                         "checkpoint")}}
 
 
 def profile_table(result: dict, workers: int) -> str:

@@ -118,11 +118,13 @@ def test_the_command_prints_each_method_at_each_w_then_a_table_and_json(capsys):
     assert senders.main(["--workers", "1", "3", "--steps", "1", "--methods", "demo", "quantized", "powersgd"]) == 0
     out = capsys.readouterr().out
     assert len(re.findall(r"^\[senders\] (demo|quantized|powersgd) W=[13]: [\d.]+ ms/step", out, re.MULTILINE)) == 6
-    assert re.search(r"^\| DeMo \| [\d.]+ \| [\d.]+ \([\d.]+x\) \| 0\.000 \| [\d.]+ \|$", out, re.MULTILINE)
+    # its own ms at W = 1 and 3 (x W = 1), MB received at each, the simulated backend's writes at 3
+    assert re.search(r"^\| DeMo \| [\d.]+ \| [\d.]+ \([\d.]+x\) \| 0\.000 \| [\d.]+ \| [\d.]+ \|$", out, re.MULTILINE)
     figures = json.loads(out.strip().splitlines()[-1])
     assert set(figures["steps"]) == {"demo", "quantized", "powersgd"}
     assert all(set(by_w) == {"1", "3"} for by_w in figures["steps"].values())
     assert figures["rx_MB"]["demo"]["1"] == 0 and figures["rx_MB"]["demo"]["3"] > 0
+    assert figures["writes_ms"]["demo"]["1"] == 0 and figures["writes_ms"]["demo"]["3"] > 0
 
 
 def test_bad_arguments_are_refused(capsys):

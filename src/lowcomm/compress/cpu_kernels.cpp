@@ -575,76 +575,9 @@ inline void fold_halves(const T* a, const T* b, int64_t size, T* x) {
   }
 }
 
-// out (`width`) = sum_j a_j B row j (rows `width` apart) over the j < count with a_j =
-// values[j * stride] not zero: an aggregate holds k coefficients per block and sender, so at
-// few senders most are zero and cost nothing. `a` and `rows` hold `count` entries.
-template <typename T, int V>
-inline void sparse_combine_vectors(const T* a, const int64_t* rows, int64_t count, const T* B, int64_t width,
-                                   T* out) {
-  constexpr int64_t L = kLanes<T>;
-  Vec<T> first[V] = {}, second[V] = {};  // two chains of adds in flight
-  int64_t j = 0;
-  for (; j + 2 <= count; j += 2) {
-    const T* p = B + rows[j] * width;
-    const T* q = B + rows[j + 1] * width;
-    for (int v = 0; v < V; ++v) {
-      first[v] += a[j] * load(p + v * L);
-      second[v] += a[j + 1] * load(q + v * L);
-    }
-  }
-  if (j < count)
-    for (int v = 0; v < V; ++v) first[v] += a[j] * load(B + rows[j] * width + v * L);
-  for (int v = 0; v < V; ++v) store(out + v * L, first[v] + second[v]);
-}
-
-template <typename T>
-void sparse_combine(const T* values, int64_t count, int64_t stride, const T* B, int64_t width, T* out, T* a,
-                    int64_t* rows) {
-  int64_t kept = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    const T value = values[j * stride];
-    if (value != T(0)) {
-      a[kept] = value;
-      rows[kept++] = j;
-    }
-  }
-  switch (width % kLanes<T> == 0 ? width / kLanes<T> : 0) {
-    case 1: sparse_combine_vectors<T, 1>(a, rows, kept, B, width, out); return;
-    case 2: sparse_combine_vectors<T, 2>(a, rows, kept, B, width, out); return;
-    case 3: sparse_combine_vectors<T, 3>(a, rows, kept, B, width, out); return;
-    case 4: sparse_combine_vectors<T, 4>(a, rows, kept, B, width, out); return;
-    default: break;
-  }
-  std::fill_n(out, width, T(0));
-  for (int64_t j = 0; j < kept; ++j)
-    for (int64_t c = 0; c < width; ++c) out[c] += a[j] * B[rows[j] * width + c];
-}
-
-// forward_across's inverse, x_r = C^T y_r, skipping zero coefficients: with a = E^T y_r[even] and
-// b = O^T y_r[odd], x_r[i] = a[i] + b[i] and x_r[size-1-i] = a[i] - b[i]. `work` holds 2 x size
-// entries and `rows_work` size.
-template <typename T>
-void inverse_across(const AcrossPlan<T>& plan, const T* y, int64_t ld, int64_t rows, T* out, int64_t out_ld,
-                    T* work, int64_t* rows_work) {
-  const int64_t size = plan.size, h = size / 2;
-  T* a = work;
-  T* b = work + h;
-  T* kept = work + size;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = y + r * ld;
-    T* target = out + r * out_ld;
-    if (!plan.split) {
-      sparse_combine(row, size, 1, plan.full.data(), size, target, kept, rows_work);
-      continue;
-    }
-    sparse_combine(row, h, 2, plan.even.data(), h, a, kept, rows_work);
-    sparse_combine(row + 1, h, 2, plan.odd.data(), h, b, kept, rows_work);
-    fold_halves(a, b, size, target);
-  }
-}
-
-// inverse_across for a block with many nonzero coefficients: the same sums as matrix products,
-// a = y_r[even] E and b = y_r[odd] O for all rows at once. `work` holds rows x size.
+// forward_across's inverse for every row of a block, x_r = C^T y_r, as matrix products: with
+// a = y_r[even] E and b = y_r[odd] O for all rows at once, x_r[i] = a[i] + b[i] and
+// x_r[size-1-i] = a[i] - b[i]. `work` holds rows x size.
 template <typename T>
 void inverse_across_dense(const AcrossPlan<T>& plan, const T* y, int64_t ld, int64_t rows, T* out, int64_t out_ld,
                           T* work) {
@@ -658,16 +591,6 @@ void inverse_across_dense(const AcrossPlan<T>& plan, const T* y, int64_t ld, int
   combine_rows(y, ld, 2, rows, h, plan.even.data(), h, h, a, h);
   combine_rows(y + 1, ld, 2, rows, h, plan.odd.data(), h, h, b, h);
   for (int64_t r = 0; r < rows; ++r) fold_halves(a + r * h, b + r * h, size, out + r * out_ld);
-}
-
-// Has a block (rows `ld` apart) more than `limit` nonzero entries? Counted row by row, and
-// answered as soon as the count passes the limit (in a dense block, after a few rows).
-template <typename T>
-bool more_nonzero_than(const T* block, int64_t ld, int64_t rows, int64_t width, int64_t limit) {
-  int64_t count = 0;
-  for (int64_t r = 0; r < rows && count <= limit; ++r)
-    for (int64_t c = 0; c < width; ++c) count += block[r * ld + c] != T(0);
-  return count > limit;
 }
 
 // X = L^T Y R for a block Y of `count` nonzero coefficients v_j at (r_j, c_j), as one product:
@@ -747,19 +670,16 @@ class TileTransform {
         down_(g.chunk_rows > 1 ? &plan_for<DownPlan<T>>(g.chunk_rows) : nullptr),
         across_(g.chunk_cols > 1 ? &plan_for<AcrossPlan<T>>(g.chunk_cols) : nullptr) {
     const int64_t tile = g.chunk_rows * g.chunk_cols * g.tile_blocks;
-    const int64_t most = std::max(g.chunk_rows, g.chunk_cols);
     // a block with at most this many nonzero coefficients is inverted as one product
     rank_limit_ = down_ && across_ ? 3 * std::min(g.chunk_rows, g.chunk_cols) / 2 : -1;
-    space_.reset(new Vec<T>[(7 * tile + 4 * most) / kLanes<T> + 1]);  // not zeroed: every use writes first
+    space_.reset(new Vec<T>[7 * tile / kLanes<T> + 1]);  // not zeroed: every use writes first
     stage_ = reinterpret_cast<T*>(space_.get());
     result_ = stage_ + tile;
     gathered_ = result_ + tile;  // the coefficients of run_gathered
     spare_ = gathered_ + tile;   // their senders in run_gathered; a block's inverse in transform
-    work_ = spare_ + tile;  // 3 tiles, then 4 x the longer side
-    small_ = work_ + 3 * tile;
+    work_ = spare_ + tile;  // 3 tiles
     const int64_t lists = g.tile_blocks * (rank_limit_ + 1);
     at_row_.resize(lists);
-    row_scratch_.resize(most);  // inverse_across's own: the lists of the tile's later blocks live in at_row_
     at_col_.resize(lists);
     values_.resize(lists);
     counts_.resize(g.tile_blocks);
@@ -868,12 +788,11 @@ class TileTransform {
         }
         T* out = down_ ? stage_ + b * C : result_ + b * C;
         if (across_) {
-          // by rows, skipping zeros, up to 8 nonzero coefficients per row; else as products
-          if (more_nonzero_than(source + b * C, ld, R, C, R * 8)) {
-            inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
-          } else {
-            inverse_across(*across_, source + b * C, ld, R, out, width, small_, row_scratch_.data());
-          }
+          // as products, whatever the block's zeros: from two nonzero coefficients a row (an
+          // aggregate of four senders' top-32) that is faster than skipping them row by row
+          // (benchmarks/senders.py, OLMo-300M's blocks: DeMo's step at 4 and 8 senders 149.5 and
+          // 159.9 ms by rows, 133.4 and 135.9 ms as products)
+          inverse_across_dense(*across_, source + b * C, ld, R, out, width, work_);
         } else {
           for (int64_t r = 0; r < R; ++r) std::copy_n(source + r * ld + b * C, C, out + r * width);
         }
@@ -984,8 +903,8 @@ class TileTransform {
   int64_t rank_limit_;
   bool keep_ = false, listed_ = false;  // listed_: the inverse's blocks are listed already (list_payloads)
   std::unique_ptr<Vec<T>[]> space_;  // vectors, so that the buffers are aligned to one
-  T *stage_, *result_, *gathered_, *spare_, *work_, *small_;
-  std::vector<int64_t> at_row_, at_col_, counts_, heads_, row_scratch_;
+  T *stage_, *result_, *gathered_, *spare_, *work_;
+  std::vector<int64_t> at_row_, at_col_, counts_, heads_;
   std::vector<T> values_;
 };
 
