@@ -71,7 +71,8 @@ class PowerSGD(DDPStrategy):
     quickstart = (Point("PowerSGD r=8", "optimizer.lr=3e-3", "optimizer.matrix_approximation_rank=8",
                         "optimizer.start_powerSGD_iter=20"),)
     table1_tiny = quickstart
-    comm_table = (Row("PowerSGD r=32 (before warm-up)", warmup=True), Row("PowerSGD r=32 (after warm-up)"))
+    comm_table = (Row("PowerSGD r=32 (before warm-up)", warmup=True),
+                  Row("PowerSGD r=32 (after warm-up)", "optimizer.start_powerSGD_iter=0"))
     mid_period = ("optimizer.start_powerSGD_iter=2",)  # the checkpoint after compression starts
     cycle = Cycle(1, "optimizer.start_powerSGD_iter=0")
 
