@@ -273,13 +273,13 @@ class _Built:
     params: list[torch.nn.Parameter]
 
 
-def _config(name: str, model: str, blocks: int | None):
+def _config(name: str, model: str, blocks: int | None, extra: tuple[str, ...] = ()):
     from omegaconf import OmegaConf
 
     from lowcomm.config import validate_optimizer
     from lowcomm.config.compose import compose
 
-    overrides = [*METHODS[name].overrides, f"model={model}"]
+    overrides = [*METHODS[name].overrides, f"model={model}", *extra]
     if blocks is not None:
         overrides.append(f"model.n_layers={blocks}")
     raw = OmegaConf.to_container(compose(overrides), resolve=True)
@@ -360,8 +360,10 @@ class Setup:
     initial: list[torch.Tensor]
 
     @classmethod
-    def of(cls, name: str, model_name: str = "tiny", blocks: int | None = None, device: str = "cpu") -> Setup:
-        raw, strategy_class, cfg = _config(name, model_name, blocks)
+    def of(cls, name: str, model_name: str = "tiny", blocks: int | None = None, device: str = "cpu",
+           overrides: tuple[str, ...] = ()) -> Setup:
+        """``overrides``: Hydra overrides after the method's own (``optimizer.wire=compact``)."""
+        raw, strategy_class, cfg = _config(name, model_name, blocks, overrides)
         model = _model(name, raw, torch.device(device))
         return cls(name, raw, strategy_class, cfg, model, [param.detach().clone() for param in model.parameters()])
 
@@ -375,14 +377,16 @@ class Setup:
                 param.grad = None
 
 
-def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, spread: float = 1.0) -> dict:
+def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, spread: float = 1.0,
+                 profile: bool = False) -> dict:
     """Rank 0's step with ``world`` senders (1: a plain Communicator, no exchange), from the
     setup's parameters: the other senders recorded first (``warmup`` + 1 steps each, the last
     recorded: the state rank 0's first timed step starts from), then ``warmup`` and ``steps``
     timed steps of rank 0, each receiving what the senders sent in that recorded step. Returns the median ``ms``,
     the MB received per step (``rx_MB``) and the ``params`` rank 0 ends with; leaves the setup's
     parameters as they were. ``ms`` is the method's own: the step's time less what the
-    simulated backend spent writing the received bytes (``wire_ms``)."""
+    simulated backend spent writing the received bytes (``wire_ms``). With ``profile``,
+    ``profile``: one more step under torch.profiler, its operators by their own time (a table)."""
     from lowcomm.train.loop import DeviceClock
 
     device = setup.initial[0].device
@@ -400,6 +404,7 @@ def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, s
             recorders.append(comm)
             setup.restore()
         received = SimulatedSenders.received_from(recorders)
+        del recorders, comm, built  # what they sent is in `received`; their copies are not timed beside it
     comm = Communicator(device=device) if world == 1 else SimulatedSenders(world, 0, device, received=received)
     built = setup.build(comm)
     own = _gradients(built.params, 0, spread)
@@ -416,23 +421,39 @@ def with_senders(setup: Setup, world: int, *, steps: int = 5, warmup: int = 2, s
         if index >= warmup:
             wire.append(getattr(comm, "wire_s", 0.0))
             times.append(elapsed - wire[-1])
+    table = None
+    if profile:
+        _set_grads(built.params, own)
+        if isinstance(comm, SimulatedSenders):
+            comm.begin_step()
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profiled:
+            built.step()
+            clock()
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        table = profiled.key_averages().table(sort_by=sort, row_limit=12)
     params = [param.detach().clone() for param in built.params]
     setup.restore()
     return {"ms": statistics.median(times) * 1e3, "wire_ms": statistics.median(wire) * 1e3,
-            "rx_MB": statistics.median(rx) / 1e6, "params": params}
+            "rx_MB": statistics.median(rx) / 1e6, "params": params, "profile": table}
 
 
 def measure(name: str, workers: list[int], *, model_name: str = "tiny", blocks: int | None = None,
             steps: int = 5, warmup: int = 2, spread: float = 1.0, device: str = "cpu",
+            overrides: tuple[str, ...] = (), profile: bool = False,
             progress: Callable[[str], None] = print) -> dict[int, dict[str, float]]:
     """Method ``name``'s step at each W of ``workers`` (:func:`with_senders`), each from the
     same parameters: ``{W: {"ms": median, "rx_MB": received per step}}``."""
-    setup = Setup.of(name, model_name, blocks, device)
+    setup = Setup.of(name, model_name, blocks, device, overrides)
     results = {}
     for world in workers:
         began = time.perf_counter()
-        result = with_senders(setup, world, steps=steps, warmup=warmup, spread=spread)
+        result = with_senders(setup, world, steps=steps, warmup=warmup, spread=spread, profile=profile)
         results[world] = {key: result[key] for key in ("ms", "wire_ms", "rx_MB")}
+        if result["profile"]:
+            progress(f"[senders] {name} W={world}: one more step, by operator (the simulated backend's writes are "
+                     f"aten::copy_ / aten::add_ inside SimulatedSenders)\n{result['profile']}")
         progress(f"[senders] {name} W={world}: {result['ms']:.1f} ms/step, {result['rx_MB']:.3f} MB received "
                  f"(the simulated backend's writes: {result['wire_ms']:.1f} ms more; "
                  f"{time.perf_counter() - began:.0f} s)")
@@ -468,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each sender's own gradient noise against the shared part (0: identical senders)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each W's timing, one more step under torch.profiler: its operators by time")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides after each method's own, e.g. "
+                                                     "optimizer.wire=compact (with --methods demo)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps is at least 1, got {args.steps}")
@@ -481,9 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     began = time.perf_counter()
     results = {name: measure(name, args.workers, model_name=args.model, blocks=args.blocks, steps=args.steps,
-                             spread=args.spread, device=args.device) for name in args.methods}
+                             spread=args.spread, device=args.device, overrides=tuple(args.overrides),
+                             profile=args.profile)
+               for name in args.methods}
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    shapes = args.model + ("" if args.blocks is None else f", {args.blocks} blocks")
+    shapes = args.model + ("" if args.blocks is None else f", {args.blocks} blocks") + "".join(
+        f", {override}" for override in args.overrides)
     print(f"\nOptimizer step with W senders (rank 0 of W, the others simulated), {shapes}, {device}; median of "
           f"{args.steps} steps; spread {args.spread}; {time.perf_counter() - began:.0f} s in all\n")
     print(table(results, args.workers))

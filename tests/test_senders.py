@@ -133,3 +133,29 @@ def test_bad_arguments_are_refused(capsys):
             senders.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_prepared_gpu_run_runs_every_row_here_on_tiny_shapes(tmp_path):
+    """benchmarks/gpu_targets.sh --smoke: the GPU run's commands, on this CPU and tiny shapes,
+    every one to its end, every target row printed (what a GPU lease runs, known to work)."""
+    import subprocess
+
+    from lowcomm.strategies import STRATEGIES
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_targets.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path), "--smoke"], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("senders_300m", "senders_1b", "targets", "others")}
+    for name, log in logs.items():
+        assert re.search(r"^=== rc=0 after \d+ s$", log, re.MULTILINE), (name, log[-2000:])
+    assert "| SparseLoCo |" in logs["senders_300m"] and "| quantized all-reduce |" in logs["senders_300m"]
+    for figure in ("DeMo step / fused AdamW step", "DeMo step at 4 simulated senders / at 1",
+                   "DeMo's 300M training step / AdamW-DDP's", "AdamW-DDP MFU by 6N, 300M",
+                   "DeMo's 1B training step / AdamW-DDP's", "AdamW-DDP MFU by OLMo-core's formula, 1B"):
+        assert f"| CPU, {figure}" in logs["targets"], figure
+    assert "one checkpoint written in" in logs["targets"]
+    others = re.findall(r"^\| CPU, (.+?): 300M training step / AdamW-DDP's, W=1 \|", logs["others"], re.MULTILINE)
+    assert len(others) == len(STRATEGIES) - 2  # every method but AdamW-DDP (the baseline) and DeMo (its own rows)
+    assert (tmp_path / "environment.txt").read_text().strip()

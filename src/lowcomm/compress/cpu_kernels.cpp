@@ -54,6 +54,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -660,6 +661,16 @@ struct TileGeometry {
   int64_t tiles() const { return (cols / chunk_cols + tile_blocks - 1) / tile_blocks; }
 };
 
+// W workers' payloads, as dct_gathered_update reads them: worker w's block-local indices and
+// values (num_blocks x k each, contiguous) start `w * index_stride` and `w * values_stride`
+// entries in.
+template <typename T>
+struct Gathered {
+  const int64_t* index;
+  const T* values;
+  int64_t workers, k, index_stride, values_stride;
+};
+
 // One block row, `tile_blocks` blocks at a time (a tile: rows of up to 512 entries, read and
 // written along memory), transformed in cache and emitted into the targets' same tile.
 template <typename T>
@@ -724,12 +735,11 @@ class TileTransform {
   // for bit), in a tile in cache: the rows x cols coefficients never pass through memory. Where
   // the payloads can be read as the one-product inverse's lists (list_payloads), no tile is
   // gathered at all.
-  void run_gathered(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
-                    int64_t block_row, T* target, int64_t tile) {
-    const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C;
-    const int64_t tile_numel = g_.chunk_rows * width;
+  void run_gathered(const Gathered<T>& sent, int64_t block_row, T* target, int64_t tile) {
+    const int64_t C = g_.chunk_cols, blocks = tile_blocks(tile), width = blocks * C, k = sent.k;
+    const int64_t tile_numel = g_.chunk_rows * width, workers = sent.workers;
     const int64_t first_block = block_row * (g_.cols / C) + tile * g_.tile_blocks;
-    if (list_payloads(index, values, workers, num_blocks, k, first_block, blocks)) {
+    if (list_payloads(sent, first_block, blocks)) {
       listed_ = true;  // the lists are the coefficients: no tile is gathered or scanned
       transform(nullptr, width, target + tile * g_.tile_blocks * C, blocks);
       listed_ = false;
@@ -737,16 +747,17 @@ class TileTransform {
     }
     std::fill_n(gathered_, tile_numel, T(0));
     if (workers > 1) std::fill_n(spare_, tile_numel, T(0));
-    for (int64_t w = 0; w < workers; ++w)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at = (w * num_blocks + first_block + b) * k;
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t local = index[at + j];  // checked by the caller: in [0, block_numel)
+    for (int64_t w = 0; w < workers; ++w) {
+      const int64_t* index = sent.index + w * sent.index_stride + first_block * k;
+      const T* values = sent.values + w * sent.values_stride + first_block * k;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t j = b * k; j < (b + 1) * k; ++j) {
+          const int64_t local = index[j];  // checked by the caller: in [0, block_numel)
           const int64_t position = (local / C) * width + b * C + local % C;
-          gathered_[position] += values[at + j];
+          gathered_[position] += values[j];
           if (workers > 1) spare_[position] += T(1);
         }
-      }
+    }
     if (workers > 1)
       for (int64_t i = 0; i < tile_numel; ++i) gathered_[i] /= std::max(spare_[i], T(1));
     transform(gathered_, width, target + tile * g_.tile_blocks * C, blocks);
@@ -816,30 +827,33 @@ class TileTransform {
   // at most rank_limit. A mean of zero is left out: nonzeros() passes over a +0 and keeps a -0
   // (a negative subnormal halved), which adds only exact zeros to sums that start at +0: the
   // inverse is the same either way, and the count stays within rank_limit.
-  bool list_payloads(const int64_t* index, const T* values, int64_t workers, int64_t num_blocks, int64_t k,
-                     int64_t first_block, int64_t blocks) {
+  bool list_payloads(const Gathered<T>& sent, int64_t first_block, int64_t blocks) {
+    const int64_t workers = sent.workers, k = sent.k;
     if (k < 1 || workers * k > rank_limit_) return false;
     const int64_t C = g_.chunk_cols, capacity = rank_limit_ + 1;
-    int64_t* next = heads_.data();       // per worker: its next entry of the block, in index and values
+    const int64_t* index = sent.index;
+    const T* values = sent.values;
+    int64_t* next = heads_.data();       // per worker: its next entry of the block, in its row
     int64_t* stop = next + workers;      // and where its block's entries end
+    const auto at_index = [&](int64_t w, int64_t at) { return index[w * sent.index_stride + at]; };
     for (int64_t b = 0; b < blocks; ++b) {
       for (int64_t w = 0; w < workers; ++w) {
-        next[w] = (w * num_blocks + first_block + b) * k;
+        next[w] = (first_block + b) * k;
         stop[w] = next[w] + k;
         for (int64_t at = next[w] + 1; at < stop[w]; ++at)
-          if (index[at] <= index[at - 1]) return false;
+          if (at_index(w, at) <= at_index(w, at - 1)) return false;
       }
       int64_t count = 0;
       for (;;) {
         int64_t lowest = std::numeric_limits<int64_t>::max();
         for (int64_t w = 0; w < workers; ++w)
-          if (next[w] < stop[w]) lowest = std::min(lowest, index[next[w]]);
+          if (next[w] < stop[w]) lowest = std::min(lowest, at_index(w, next[w]));
         if (lowest == std::numeric_limits<int64_t>::max()) break;
         T sum = T(0);
         int64_t senders = 0;
         for (int64_t w = 0; w < workers; ++w)
-          if (next[w] < stop[w] && index[next[w]] == lowest) {
-            sum += values[next[w]++];
+          if (next[w] < stop[w] && at_index(w, next[w]) == lowest) {
+            sum += values[w * sent.values_stride + next[w]++];
             ++senders;
           }
         if (workers > 1) sum /= T(senders);
@@ -1008,11 +1022,18 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
   const at::Tensor& like = targets[0];
   TORCH_CHECK(like.scalar_type() == at::kFloat || like.scalar_type() == at::kDouble,
               "lowcomm::dct_gathered_update: float32 or float64, got ", like.scalar_type());
-  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 3 && index.is_contiguous(),
-              "lowcomm::dct_gathered_update: index must be a contiguous W x blocks x k int64 CPU tensor");
+  // each worker's row contiguous (blocks x k); the rows anywhere: the views of an all-gather's
+  // W x n buffer that a run covers, read where they are
+  const auto rows_contiguous = [](const at::Tensor& t) {
+    return t.dim() == 3 && (t.size(2) < 2 || t.stride(2) == 1) && (t.size(1) < 2 || t.stride(1) == t.size(2));
+  };
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && rows_contiguous(index),
+              "lowcomm::dct_gathered_update: index must be a W x blocks x k int64 CPU tensor, each worker's row "
+              "contiguous");
   TORCH_CHECK(values.sizes() == index.sizes() && values.scalar_type() == like.scalar_type() &&
-                  values.is_contiguous() && values.device().is_cpu(),
-              "lowcomm::dct_gathered_update: values must be contiguous, shaped as index, of the targets' dtype");
+                  rows_contiguous(values) && values.device().is_cpu(),
+              "lowcomm::dct_gathered_update: values must be shaped as index, each worker's row contiguous, of the "
+              "targets' dtype");
   TORCH_CHECK(cols >= 1 && chunk_rows >= 1 && chunk_cols >= 1 && cols % chunk_cols == 0,
               "lowcomm::dct_gathered_update: blocks of ", chunk_rows, " x ", chunk_cols, " do not tile ", cols,
               " columns");
@@ -1024,19 +1045,31 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
     const TileGeometry geometry(cols, chunk_rows, chunk_cols);
     const int64_t tiles = geometry.tiles();
     const Emit emit{1.0, alpha, sign};
-    if (index.numel()) {  // every index checked before anything is written: a corrupt one changes nothing
-      const auto [lowest, highest] = at::aminmax(index);
-      const int64_t low = lowest.item<int64_t>(), high = highest.item<int64_t>();
-      TORCH_CHECK(low >= 0 && high < chunk_rows * chunk_cols, "lowcomm::dct_gathered_update: block-local index ",
-                  low < 0 ? low : high, " outside a block of ", chunk_rows * chunk_cols);
-    }
-    const int64_t* where = index.const_data_ptr<int64_t>();
-    const scalar_t* sent = values.const_data_ptr<scalar_t>();
+    // every index checked before anything is written: a corrupt one changes nothing (read where the
+    // rows are: an aminmax of the strided view would copy it first)
+    const int64_t workers = index.size(0), row = index.size(1) * index.size(2), limit = chunk_rows * chunk_cols;
+    const int64_t* first_index = index.const_data_ptr<int64_t>();
+    std::atomic<int64_t> outside{0};  // 0: none; else the first bad index found, plus one if negative
+    at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
+      for (int64_t w = first; w < last; ++w) {
+        const int64_t* entries = first_index + w * index.stride(0);
+        int64_t low = 0, high = 0;
+        for (int64_t j = 0; j < row; ++j) {
+          low = std::min(low, entries[j]);
+          high = std::max(high, entries[j]);
+        }
+        if (low < 0 || high >= limit) outside.store(low < 0 ? low : high + 1);
+      }
+    });
+    const int64_t bad = outside.load();
+    TORCH_CHECK(bad == 0, "lowcomm::dct_gathered_update: block-local index ", bad < 0 ? bad : bad - 1,
+                " outside a block of ", limit);
+    const Gathered<scalar_t> sent{index.const_data_ptr<int64_t>(), values.const_data_ptr<scalar_t>(), index.size(0),
+                                  index.size(2), index.stride(0), values.stride(0)};
     at::parallel_for(0, block_rows * tiles, 1, [&](int64_t first, int64_t last) {
       TileTransform<scalar_t> transform(geometry, true, emit);
       for (int64_t task = first; task < last; ++task)
-        transform.run_gathered(where, sent, index.size(0), index.size(1), index.size(2), task / tiles,
-                               destinations[task / tiles], task % tiles);
+        transform.run_gathered(sent, task / tiles, destinations[task / tiles], task % tiles);
     });
   });
 }

@@ -120,6 +120,13 @@ def rowwise_index_add_(target: torch.Tensor, positions: torch.Tensor, values: to
     return target
 
 
+def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (W x blocks x k) as it is where each worker's row is contiguous, else a copy."""
+    rows_ok = (tensor.shape[2] < 2 or tensor.stride(2) == 1) and (tensor.shape[1] < 2 or
+                                                                   tensor.stride(1) == tensor.shape[2])
+    return tensor if rows_ok else tensor.contiguous()
+
+
 @register_codec("dct_topk")
 class DCTTopK:
     """Per-block DCT top-k with an explicit wire format (see the module doc).
@@ -391,8 +398,11 @@ class DCTTopK:
             return False
         index, values = self.unpack(gathered)
         shape = (index.shape[0], layout.num_blocks, -1)
-        cpu_kernels.ops().dct_gathered_update(index.reshape(shape).contiguous(), values.reshape(shape).contiguous(),
-                                              targets, layout.cols, layout.chunk_rows, layout.chunk_cols, alpha, sign)
+        # read where the all-gather left them: each worker's row is contiguous, the rows are
+        # the W x n buffer's (a copy of W x the run's payload would cost as much as the decode)
+        cpu_kernels.ops().dct_gathered_update(_rows_contiguous(index.reshape(shape)),
+                                              _rows_contiguous(values.reshape(shape)), targets, layout.cols,
+                                              layout.chunk_rows, layout.chunk_cols, alpha, sign)
         mark_written(*targets)
         return True
 

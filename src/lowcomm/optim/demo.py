@@ -430,6 +430,10 @@ class DeMo(torch.optim.Optimizer):
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._random_bases: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._stacked: dict[tuple[int, ...], torch.Tensor] = {}  # each stack's momenta (see _Stack)
+        # each bucket's all-gather buffers (W x its payload, per wire dtype), kept between steps for
+        # the same reason: at W = 64 a bucket of OLMo-300M receives 1.2 GB a step, and fresh
+        # buffers cost their page faults and their unmapping every step (benchmarks/senders.py)
+        self._received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.cuda_graph = args.cuda_graph
         self._graphs: _Graphs | None = None  # the captured step, once there is one
         self._warm_steps = 0  # eager warm-up steps in a row with one signature (see _graphed_step)
@@ -603,13 +607,24 @@ class DeMo(torch.optim.Optimizer):
     def _gather(self, encoded: _Encoded, *, into: dict[torch.dtype, torch.Tensor] | None = None) -> _InFlight:
         """Start the bucket's all-gathers, one per wire dtype, into one W x n buffer each (no
         per-worker copies): new ones, or ``into`` (a captured step's)."""
-        world = self.comm.world_size
-        buffers = into if into is not None else {  # gloo wants them flat
-            dtype: flat.new_empty(world * flat.numel()) for dtype, flat in encoded.flats.items()}
+        buffers = into if into is not None else self._receive_buffers(encoded)
         with record_function("DeMo.communicate"):
             works = [self.comm.all_gather_into_tensor(buffers[dtype], flat, async_op=True)
                      for dtype, flat in encoded.flats.items()]
         return self._flight(encoded, buffers, works)
+
+    def _receive_buffers(self, encoded: _Encoded) -> dict[torch.dtype, torch.Tensor]:
+        """The bucket's all-gather buffers, one per wire dtype, flat (as gloo wants them): last
+        step's where the sizes still match (a bucket is known by its first parameter), else new
+        ones. A bucket's buffers are read by its decode before its next all-gather."""
+        world, buffers = self.comm.world_size, {}
+        for dtype, flat in encoded.flats.items():
+            key = (id(encoded.sent[0].param), dtype)
+            kept = self._received.get(key)
+            if kept is None or kept.numel() != world * flat.numel() or kept.device != flat.device:
+                kept = self._received[key] = flat.new_empty(world * flat.numel())
+            buffers[dtype] = kept
+        return buffers
 
     def _flight(self, encoded: _Encoded, buffers: dict[torch.dtype, torch.Tensor], works: list[Any]) -> _InFlight:
         """The bucket with its all-gathers' output buffers (each seen as W x n) and their works."""
