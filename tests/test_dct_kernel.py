@@ -264,6 +264,35 @@ def test_decoding_into_the_targets_is_bit_for_bit_the_aggregate_then_the_kernels
     assert torch.equal(param, want)
 
 
+def test_decoding_reads_each_workers_row_where_the_all_gather_left_it():
+    """The payloads as views of a W x n all-gather buffer (each worker's row contiguous, the
+    rows a whole buffer's length apart, as DeMo hands a run's) decode as their contiguous copy
+    does, bit for bit, without copying them; a corrupt index in the last worker's row, read
+    through the same strides, is refused before anything is written."""
+    codec = DCTTopK(chunk=64, topk=32, wire="paper")
+    layout = BlockLayout((256, 192), 256, 192, 64, 64)
+    gathered = _gathered(8, layout, 32, seed=9, dtype=torch.float32)
+    index, values = gathered.tensors["index"], gathered.tensors["values"]
+    # each tensor inside a wider buffer, after another run's 100 entries per worker
+    wide = {key: torch.zeros(8, 100 + tensor[0].numel() + 37, dtype=tensor.dtype) for key, tensor in
+            (("index", index), ("values", values))}
+    strided = {}
+    for key, tensor in (("index", index), ("values", values)):
+        wide[key][:, 100:100 + tensor[0].numel()] = tensor.reshape(8, -1)
+        strided[key] = wide[key][:, 100:100 + tensor[0].numel()].view(tensor.shape)
+    assert not strided["index"].is_contiguous()
+    param = torch.randn(256, 192)
+    want = param.clone()
+    assert codec.decode_add(gathered, layout, [want], alpha=-0.5, sign=True)
+    assert codec.decode_add(Payload(strided, gathered.meta), layout, [param], alpha=-0.5, sign=True)
+    assert torch.equal(param, want)
+    wide["index"][7, 100 + 5] = 64 * 64  # one past the block, in the last worker's row
+    before = param.clone()
+    with pytest.raises(RuntimeError, match="block-local index 4096 outside a block of 4096"):
+        codec.decode_add(Payload(strided, gathered.meta), layout, [param], alpha=-0.5, sign=True)
+    assert torch.equal(param, before)
+
+
 def test_decoding_into_the_targets_leaves_what_the_kernels_cannot_do_to_the_caller(monkeypatch):
     codec = DCTTopK(chunk=64, topk=4, wire="paper")
     layout = BlockLayout((64, 128), 64, 128, 64, 64)

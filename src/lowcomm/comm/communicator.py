@@ -511,7 +511,7 @@ class QuantizedExchange:
         self.work.wait()
         rows = self.received.view(world, -1)  # row s: sender s's chunks of every tensor, for this rank
         placed, columns = [], {}  # (tensor, template, precision, first column); columns per precision
-        for index, (payloads, offsets) in enumerate(zip(self.sent, self.offsets, strict=True)):
+        for index, payloads in enumerate(self.sent):
             template = payloads[rank]
             if template is None:
                 continue

@@ -186,11 +186,20 @@ class ChunkedTopK:
         a leading dimension W): unpacked, positioned and added in one pass for all W, not one
         per worker. Each entry's sum runs in worker order, as in :meth:`decode`, so the result
         is the same bit for bit."""
-        meta = gathered.meta
+        meta, layout = gathered.meta, gathered.meta["layout"]
         workers = next(iter(gathered.tensors.values())).shape[0]
         positions, values = self._sparse(gathered, workers)
         dense = torch.zeros(meta["shape"].numel(), dtype=meta["dtype"], device=values.device)
-        ordered_index_add_(dense, positions, values)
+        if workers > 1 and dense.device.type == "cpu":
+            # block by block, each block's entries in worker order (one index_add_ runs in index
+            # order on the CPU): every entry's sum still runs in worker order, and the dense
+            # tensor is swept once, each block's rows in cache, instead of once per worker (at
+            # OLMo-300M's shapes and W = 8, eight passes over 250 MB of random writes)
+            positions = positions.view(workers, layout.num_blocks, -1).transpose(0, 1).reshape(-1)
+            values = values.view(workers, layout.num_blocks, -1).transpose(0, 1).reshape(-1)
+            dense.index_add_(0, positions, values)
+        else:
+            ordered_index_add_(dense, positions, values)
         if workers > 1:
             senders = torch.zeros_like(dense).index_add_(0, positions.view(-1), torch.ones_like(values).view(-1))
             dense.div_(senders.clamp_(min=1))
