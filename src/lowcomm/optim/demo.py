@@ -403,6 +403,8 @@ class DeMo(torch.optim.Optimizer):
     # whether the step can be captured (``cuda_graph``): not where a subclass changes what a step
     # reads (FlexDeMo re-points its shards) or when it applies the aggregate (DisTrO)
     graphable: ClassVar[bool] = True
+    # how many steps' all-gather buffers are in use at once (see _receive_buffers)
+    _receive_sets: ClassVar[int] = 1
     graph_runtime: ClassVar[type] = CudaGraphRuntime
 
     def __init__(self, params, args: DeMoArgs, comm: Communicator | None = None):
@@ -433,7 +435,8 @@ class DeMo(torch.optim.Optimizer):
         # each bucket's all-gather buffers (W x its payload, per wire dtype), kept between steps for
         # the same reason: at W = 64 a bucket of OLMo-300M receives 1.2 GB a step, and fresh
         # buffers cost their page faults and their unmapping every step (benchmarks/senders.py)
-        self._received: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._received: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
+        self._turn = 0  # steps begun: which of the _receive_sets sets of buffers a step's all-gathers fill
         self.cuda_graph = args.cuda_graph
         self._graphs: _Graphs | None = None  # the captured step, once there is one
         self._warm_steps = 0  # eager warm-up steps in a row with one signature (see _graphed_step)
@@ -447,6 +450,7 @@ class DeMo(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure_loss(closure)
         self._random_bases.clear()
+        self._turn += 1
         buckets = self._buckets()
         params = [param for bucket in buckets for param, _ in bucket] if self.cuda_graph else []
         if params and self.graph_runtime.serves(params):
@@ -614,12 +618,13 @@ class DeMo(torch.optim.Optimizer):
         return self._flight(encoded, buffers, works)
 
     def _receive_buffers(self, encoded: _Encoded) -> dict[torch.dtype, torch.Tensor]:
-        """The bucket's all-gather buffers, one per wire dtype, flat (as gloo wants them): last
-        step's where the sizes still match (a bucket is known by its first parameter), else new
-        ones. A bucket's buffers are read by its decode before its next all-gather."""
+        """The bucket's all-gather buffers, one per wire dtype, flat (as gloo wants them): those
+        of ``_receive_sets`` steps ago where the sizes still match (a bucket is known by its
+        first parameter), else new ones. DeMo decodes a bucket within its step: one set; an
+        optimizer that decodes a step's buckets in the next (DisTrO) keeps two."""
         world, buffers = self.comm.world_size, {}
         for dtype, flat in encoded.flats.items():
-            key = (id(encoded.sent[0].param), dtype)
+            key = (id(encoded.sent[0].param), dtype, self._turn % self._receive_sets)
             kept = self._received.get(key)
             if kept is None or kept.numel() != world * flat.numel() or kept.device != flat.device:
                 kept = self._received[key] = flat.new_empty(world * flat.numel())

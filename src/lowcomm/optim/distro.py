@@ -80,6 +80,8 @@ class DisTrO(DeMo):
 
     graphable = False  # its step applies the last step's aggregate: DeMo's captured order does not hold
 
+    _receive_sets = 2  # a step's buckets are decoded by the next step, after its own all-gathers
+
     def __init__(self, params, args: DisTrOArgs, comm: Communicator | None = None):
         super().__init__(params, args, comm)
         self.lookahead = args.lookahead
@@ -92,6 +94,7 @@ class DisTrO(DeMo):
     def step(self, closure=None):
         loss = closure_loss(closure)
         self._random_bases.clear()
+        self._turn += 1
         self._take_back_lookahead()
         sent = [self._send_bucket(bucket) for bucket in self._buckets()]
         for flight in self._in_flight:
