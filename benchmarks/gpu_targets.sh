@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU row of lowcomm's speed targets, in one prepared run on one GPU, within 8 minutes.
+# Every GPU row of lowcomm's speed targets, in one prepared run on one GPU, within 8 minutes
+# (the four limits below sum to 470 s).
 #
 #   bash benchmarks/gpu_targets.sh OUT            # on a machine with one GPU; writes OUT/*.log
 #   bash benchmarks/gpu_targets.sh OUT --smoke    # the same commands on this machine's CPU, tiny shapes
 #
 # In order, each under its own time limit (a command that reaches it ends its log with rc=124;
 # every row is printed as soon as it is measured, so a cut-short log still holds what it got):
-#   1. senders_300m.log (90 s), senders_1b.log (60 s): benchmarks/senders.py, every method's
+#   1. senders_300m.log (80 s), senders_1b.log (50 s): benchmarks/senders.py, every method's
 #      receiving side at W = 1, 8 and 64 on OLMo-300M's shapes, then DeMo's on OLMo-1B's at
 #      W = 1 and 64;
-#   2. targets.log (270 s): benchmarks/targets.py, the optimizer row, the senders row and the
+#   2. targets.log (250 s): benchmarks/targets.py, the optimizer row, the senders row and the
 #      300M and 1B training rows (AdamW-DDP and DeMo compiled, bf16 weights; each model's peak
 #      memory, the 1B checkpoint's write time);
-#   3. others.log (110 s): every other method's 300M training step against AdamW-DDP's (eager,
+#   3. others.log (90 s): every other method's 300M training step against AdamW-DDP's (eager,
 #      bf16 weights, all in one worker process).
 # environment.txt records the device, driver and versions. The pages of results/gpu/ are
 # written from these logs.
@@ -59,9 +60,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     nproc
 } > "$out/environment.txt" 2>&1
 
-run senders_300m 90 "$python" benchmarks/senders.py "${senders_300m[@]}"
-run senders_1b 60 "$python" benchmarks/senders.py "${senders_1b[@]}"
-run targets 270 "$python" benchmarks/targets.py "${targets[@]}" train.param_dtype=bf16 \
+run senders_300m 80 "$python" benchmarks/senders.py "${senders_300m[@]}"
+run senders_1b 50 "$python" benchmarks/senders.py "${senders_1b[@]}"
+run targets 250 "$python" benchmarks/targets.py "${targets[@]}" train.param_dtype=bf16 \
     --rows optimizer senders training_300m training_1b
-run others 110 "$python" benchmarks/targets.py "${targets[@]}" train.param_dtype=bf16 --rows others
+run others 90 "$python" benchmarks/targets.py "${targets[@]}" train.param_dtype=bf16 --rows others
 echo "gpu_targets.sh: the logs are in $out"
