@@ -23,7 +23,7 @@ smoke=${2:-}
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python}
 [ -x "$here/.venv/bin/python" ] && python=${PYTHON:-$here/.venv/bin/python}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the commands run from the checkout
 cd "$here" || exit 1
 
 if [ "$smoke" = "--smoke" ]; then
@@ -45,10 +45,10 @@ run() {  # name, seconds, command...: its output to OUT/name.log, the log's tail
     echo "=== $name: $* (limit ${limit} s)"
     echo "=== $name: $* (limit ${limit} s)" > "$out/$name.log"
     local began=$SECONDS
-    timeout "$limit" "$@" >> "$out/$name.log" 2>&1
+    timeout -k 15 "$limit" "$@" >> "$out/$name.log" 2>&1  # (SIGKILL 15 s after, if SIGTERM is not enough)
     local rc=$?
     echo "=== rc=$rc after $((SECONDS - began)) s" >> "$out/$name.log"
-    tail -n 30 "$out/$name.log" | tail -n +2
+    tail -n +2 "$out/$name.log" | tail -n 30  # (its first line, the command, is printed above)
 }
 
 {

@@ -225,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
                              device=args.device, tokens_per_step=scale.tokens_per_step, bucket_numel=args.bucket_numel,
                              cuda_graph=args.cuda_graph, checkpoint=checkpoint,
                              profile_steps=args.profile if label == "300M" else 0)
+        failed = {name: result["error"] for name, result in runs.items() if "error" in result}
+        if failed:  # (out of memory, say): the rows say so, and the run goes on to the next rows
+            for figure, target in ((f"DeMo's {label} training step / AdamW-DDP's, W=1", "<= 1.03x"),
+                                   (f"AdamW-DDP MFU by {mfu}, {label}", f">= {mfu_target:.0%}")):
+                measured(f"{device}, {figure}", "did not run: " + "; ".join(
+                    f"{name}: {error[:120]}" for name, error in failed.items()), target, False)
+            return
         adamw, demo = runs["adamw_ddp"], runs["demo"]
         for name, result in runs.items():
             print(f"[targets] {label} ({model}), {name}: {result['lowcomm']:,.0f} tokens/s (bare DDP + AdamW "
@@ -259,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = training_runs(scale.model_300m, ["adamw_ddp", *settings], 3 * args.steps, args.repeats, overrides,
                              device=args.device, tokens_per_step=scale.tokens_per_step, bare_loop=False,
                              method_overrides={name: list(r.overrides) for name, r in settings.items()})
+        if "error" in runs["adamw_ddp"]:
+            measured(f"{device}, every other method's 300M training step / AdamW-DDP's, W=1",
+                     f"AdamW-DDP did not run: {runs['adamw_ddp']['error'][:160]}", "<= 1.10x each", False)
+            return
         baseline = runs["adamw_ddp"]["lowcomm"]
         for name, setting in settings.items():
             result, figure = runs[name], f"{device}, {setting.label}: 300M training step / AdamW-DDP's, W=1"

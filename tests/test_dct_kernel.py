@@ -16,7 +16,7 @@ from dct_reference import F64, dense_dct
 from lowcomm.compress import cpu_kernels
 from lowcomm.compress.base import Payload
 from lowcomm.compress.dct import BlockLayout, block_transform, dct_bases, dct_transform
-from lowcomm.compress.dct_topk import WIRES, DCTTopK
+from lowcomm.compress.dct_topk import WIRES, DCTTopK, _rows_contiguous
 
 # (shape, chunk): the block geometry each exercises
 GEOMETRIES = [
@@ -281,6 +281,7 @@ def test_decoding_reads_each_workers_row_where_the_all_gather_left_it():
         wide[key][:, 100:100 + tensor[0].numel()] = tensor.reshape(8, -1)
         strided[key] = wide[key][:, 100:100 + tensor[0].numel()].view(tensor.shape)
     assert not strided["index"].is_contiguous()
+    assert _rows_contiguous(strided["index"]) is strided["index"]  # handed to the kernel as it is
     param = torch.randn(256, 192)
     want = param.clone()
     assert codec.decode_add(gathered, layout, [want], alpha=-0.5, sign=True)

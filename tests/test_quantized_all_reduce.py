@@ -182,3 +182,13 @@ def test_one_process_is_one_encode_and_decode_with_no_bytes():
     assert torch.equal(tensor, expected)
     assert comm.meter.breakdown()["data/world/all_reduce_quantized"] == {
         "calls": 1, "payload": codec.payload_nbytes(tensor.shape, tensor.dtype), "tx": 0, "rx": 0, "messages": 0}
+
+
+def test_one_process_passes_an_empty_tensor_through():
+    """An empty tensor (a parameter with no rows here) has no chunk to encode or decode, at
+    W = 1 as at any W: the others are reduced as if it were not there."""
+    codec = Quantize(bits=2)
+    empty, tensor = torch.empty(0, 4), torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
+    expected = codec.decode([codec.encode(tensor)])
+    Communicator().all_reduce_quantized([empty, tensor], codec)
+    assert empty.shape == (0, 4) and torch.equal(tensor, expected)

@@ -543,7 +543,8 @@ class QuantizedExchange:
         reduced = self._reduced()
         if world == 1:
             for own, target in zip(reduced, self.out, strict=True):
-                target.detach().copy_(self.codec.decode([own]).view_as(target))
+                if own is not None:  # (an empty tensor has nothing to decode)
+                    target.detach().copy_(self.codec.decode([own]).view_as(target))
             self.done = True
             return True
         # every rank's reduced chunks, padded to the largest rank's (an all-gather of equal sizes)

@@ -1049,7 +1049,8 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
     // rows are: an aminmax of the strided view would copy it first)
     const int64_t workers = index.size(0), row = index.size(1) * index.size(2), limit = chunk_rows * chunk_cols;
     const int64_t* first_index = index.const_data_ptr<int64_t>();
-    std::atomic<int64_t> outside{0};  // 0: none; else the first bad index found, plus one if negative
+    std::atomic<bool> found{false};
+    std::atomic<int64_t> which{0};  // a bad index, once one is found
     at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
       for (int64_t w = first; w < last; ++w) {
         const int64_t* entries = first_index + w * index.stride(0);
@@ -1058,11 +1059,13 @@ void dct_gathered_update(const at::Tensor& index, const at::Tensor& values, at::
           low = std::min(low, entries[j]);
           high = std::max(high, entries[j]);
         }
-        if (low < 0 || high >= limit) outside.store(low < 0 ? low : high + 1);
+        if (low < 0 || high >= limit) {
+          which.store(low < 0 ? low : high);
+          found.store(true);
+        }
       }
     });
-    const int64_t bad = outside.load();
-    TORCH_CHECK(bad == 0, "lowcomm::dct_gathered_update: block-local index ", bad < 0 ? bad : bad - 1,
+    TORCH_CHECK(!found.load(), "lowcomm::dct_gathered_update: block-local index ", which.load(),
                 " outside a block of ", limit);
     const Gathered<scalar_t> sent{index.const_data_ptr<int64_t>(), values.const_data_ptr<scalar_t>(), index.size(0),
                                   index.size(2), index.stride(0), values.stride(0)};

@@ -65,11 +65,13 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def statistical_codes(values: torch.Tensor, bits: int, range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's statistical quantizer (see the module doc) on a flat tensor: (one uint8
-    code per entry, unpacked; the table of 2**bits float32 per-bin means, shift included).
+    """The reference's statistical quantizer (see the module doc) on a tensor read flat: (one
+    uint8 code per entry, unpacked; the table of 2**bits float32 per-bin means, shift included).
     Computed in float32 in the reference's order of operations, so codes and table equal its.
-    ``values`` of shape ``(k, n)`` are k tensors quantized each with its own statistics, in one
-    pass: codes ``(k, n)``, tables ``(k, 2**bits)``, row i what row i alone gives."""
+    A 2-D ``values`` ``(k, n)`` is k tensors, each quantized with its own statistics, in one
+    pass: codes ``(k, n)``, tables ``(k, 2**bits)``. Row i is what row i alone gives, except
+    that a row's mean and variance are reduced on one thread, where torch splits a flat
+    reduction of 32K+ entries across threads: the last bits of the statistics may differ."""
     rows = values.shape[:-1] if values.dim() == 2 else ()
     values = values.reshape(*rows, -1).float()
     bins, count = 2**bits, values.shape[-1]
@@ -130,7 +132,8 @@ class Quantize:
     def encode_stacked(self, chunks: torch.Tensor) -> Payload:
         """k tensors of one shape (``chunks``, their stack ``(k, *shape)``), each encoded with its
         own statistics as :meth:`encode` would, in one pass: a payload whose tensors carry a
-        leading dimension k (row i: :meth:`encode` of ``chunks[i]``)."""
+        leading dimension k (row i: :meth:`encode` of ``chunks[i]``; with the statistical
+        method, up to the last bits of a large row's statistics, see :func:`statistical_codes`)."""
         return self._encode(chunks.reshape(chunks.shape[0], -1), chunks[0])
 
     def _encode(self, values: torch.Tensor, like: torch.Tensor) -> Payload:
