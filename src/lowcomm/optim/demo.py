@@ -432,9 +432,11 @@ class DeMo(torch.optim.Optimizer):
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._random_bases: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._stacked: dict[tuple[int, ...], torch.Tensor] = {}  # each stack's momenta (see _Stack)
-        # each bucket's all-gather buffers (W x its payload, per wire dtype), kept between steps for
-        # the same reason: at W = 64 a bucket of OLMo-300M receives 1.2 GB a step, and fresh
-        # buffers cost their page faults and their unmapping every step (benchmarks/senders.py)
+        # on the CPU, each bucket's all-gather buffers (W x its payload, per wire dtype), kept
+        # between steps for the same reason: at W = 64 a bucket of OLMo-300M receives 1.2 GB a
+        # step, and fresh buffers cost their page faults and their unmapping every step
+        # (benchmarks/senders.py). A GPU's caching allocator reuses freed memory already, and
+        # keeping every bucket's would hold them all at once (a 1B model's six: 7 GB at W = 64)
         self._received: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._turn = 0  # steps begun: which of the _receive_sets sets of buffers a step's all-gathers fill
         self.cuda_graph = args.cuda_graph
@@ -618,12 +620,15 @@ class DeMo(torch.optim.Optimizer):
         return self._flight(encoded, buffers, works)
 
     def _receive_buffers(self, encoded: _Encoded) -> dict[torch.dtype, torch.Tensor]:
-        """The bucket's all-gather buffers, one per wire dtype, flat (as gloo wants them): those
-        of ``_receive_sets`` steps ago where the sizes still match (a bucket is known by its
-        first parameter), else new ones. DeMo decodes a bucket within its step: one set; an
+        """The bucket's all-gather buffers, one per wire dtype, flat (as gloo wants them): on the
+        CPU those of ``_receive_sets`` steps ago where the sizes still match (a bucket is known
+        by its first parameter), else new ones. DeMo decodes a bucket within its step: one set; an
         optimizer that decodes a step's buckets in the next (DisTrO) keeps two."""
         world, buffers = self.comm.world_size, {}
         for dtype, flat in encoded.flats.items():
+            if flat.device.type != "cpu":
+                buffers[dtype] = flat.new_empty(world * flat.numel())
+                continue
             key = (id(encoded.sent[0].param), dtype, self._turn % self._receive_sets)
             kept = self._received.get(key)
             if kept is None or kept.numel() != world * flat.numel() or kept.device != flat.device:
