@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.communicator import QuantizedExchange, nbytes
+from lowcomm.comm.communicator import DoneWork, QuantizedExchange, nbytes
 from lowcomm.comm.meter import ring_all_gather_traffic, ring_all_reduce_traffic
 from lowcomm.comm.quantized import payload_bytes
 
@@ -85,19 +85,6 @@ METHODS = {
     "powersgd": Method("PowerSGD", ("optimizer=powersgd", "optimizer.start_powerSGD_iter=0"),
                        "P and Q all-reduced (sum by the backend), AdamW"),
 }
-
-
-class _Done:
-    """The work of a collective that completed when it was issued."""
-
-    def __init__(self, result: list[torch.Tensor]):
-        self._result = result
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - dist.Work's signature
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class SimulatedSenders(Communicator):
@@ -179,7 +166,7 @@ class SimulatedSenders(Communicator):
             else:
                 rows[0].copy_(flat)
                 rows[1:].copy_(others)
-        return _Done([output]) if async_op else None
+        return DoneWork([output]) if async_op else None
 
     def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False, purpose: str = "data"):
         self._route("all_gather", purpose, tensor)
@@ -189,7 +176,7 @@ class SimulatedSenders(Communicator):
             rest = ([tensor.clone() for _ in range(self.world_size - 1)] if others is None
                     else [row.clone() for row in others])
             gathered = [*rest[:self.rank], tensor.clone(), *rest[self.rank:]]
-        return (gathered, _Done(gathered)) if async_op else gathered
+        return (gathered, DoneWork(gathered)) if async_op else gathered
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
         self._route("all_reduce", purpose, tensor)
@@ -204,7 +191,7 @@ class SimulatedSenders(Communicator):
             if op == "avg":
                 tensor.div_(self.world_size)
         # control traffic (flags, maxima) and max / min: every rank holds the same value
-        return _Done([tensor]) if async_op else None
+        return DoneWork([tensor]) if async_op else None
 
     def _quantized_exchange(self, group, codec, sent, out) -> QuantizedExchange:
         return _SimulatedExchange(self, group, codec, sent, out)
@@ -244,7 +231,7 @@ class _SimulatedExchange(QuantizedExchange):
             else:
                 rows[0].copy_(mine)
                 rows[1:].copy_(others)
-        return _Done([received])
+        return DoneWork([received])
 
     def _all_gather(self, gathered: torch.Tensor, buffer: torch.Tensor) -> None:
         rank, world = self.comm.rank, self.comm.world_size

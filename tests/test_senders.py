@@ -63,14 +63,24 @@ def test_chunk_runs_cover_the_nonempty_chunks_in_runs_of_one_shape():
 @pytest.mark.parametrize("wire", ["packed", "templar", "reference"])
 @pytest.mark.parametrize("bits", [2, None])
 def test_gathered_payloads_decode_in_one_pass_as_one_by_one(wire, bits):
-    """ChunkedTopK.decode_gathered of W payloads stacked (what all_gather_stacked leaves) is
-    decode() of the list, bit for bit: each entry's mean over the workers that sent it."""
+    """ChunkedTopK.decode_gathered of W payloads stacked (what all_gather_stacked leaves), and
+    decode() of the list, are the per-worker computation bit for bit: each entry's mean over
+    the workers that sent it, summed in worker order; one payload decodes to its values."""
     codec = ChunkedTopK(chunk=8, topk=5, bits=bits, wire=wire)
     generator = torch.Generator().manual_seed(3)
     payloads = [codec.encode(torch.randn(20, 12, generator=generator)) for _ in range(5)]
     stacked = Payload({key: torch.stack([p.tensors[key] for p in payloads]) for key in payloads[0].tensors},
                       payloads[0].meta)
-    assert torch.equal(codec.decode_gathered(stacked), codec.decode(payloads))
+    # the per-worker computation it replaces: one payload at a time, summed in worker order
+    sums, senders_ = torch.zeros(20 * 12), torch.zeros(20 * 12)
+    for payload in payloads:
+        positions, values = codec._sparse(payload)  # noqa: SLF001 - one worker's entries
+        sums.index_add_(0, positions, values)
+        senders_.index_add_(0, positions, torch.ones_like(values))
+    expected = (sums / senders_.clamp(min=1)).view(20, 12)
+    assert torch.equal(codec.decode_gathered(stacked), expected)
+    assert torch.equal(codec.decode(payloads), expected)
+    assert torch.equal(codec.decode(payloads[:1]), sums.zero_().index_add_(0, *codec._sparse(payloads[0])).view(20, 12))  # noqa: SLF001
 
 
 # ------------------------------------------------------------------- the benchmark itself

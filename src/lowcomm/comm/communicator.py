@@ -71,7 +71,7 @@ def backend_devices(group=None) -> dict[str, str]:
     return served
 
 
-class _DoneWork:
+class DoneWork:
     """Stands in for a ``dist.Work`` when nothing had to be sent (a group of one)."""
 
     def __init__(self, result: list[torch.Tensor]):
@@ -243,7 +243,7 @@ class Communicator:
         payload = nbytes(tensor)
         self._record("all_reduce", payload, ring_all_reduce_traffic(payload, self.world_size), purpose)
         if not self.distributed:
-            return _DoneWork([tensor]) if async_op else None
+            return DoneWork([tensor]) if async_op else None
         if op == "avg" and not self._native_avg(group):
             tensor.div_(self.world_size)
             op = "sum"
@@ -260,7 +260,7 @@ class Communicator:
         self._record("all_gather", payload, ring_all_gather_traffic(payload, self.world_size), purpose)
         if not self.distributed:
             gathered = [tensor.clone()]
-            return (gathered, _DoneWork(gathered)) if async_op else gathered
+            return (gathered, DoneWork(gathered)) if async_op else gathered
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, tensor.contiguous(), group=group, async_op=async_op)
         return (gathered, self._timed(work)) if async_op else gathered
@@ -274,7 +274,7 @@ class Communicator:
         self._record("all_gather", payload, ring_all_gather_traffic(payload, self.world_size), purpose)
         if not self.distributed:
             output.view(-1).copy_(tensor.reshape(-1))
-            return _DoneWork([output]) if async_op else None
+            return DoneWork([output]) if async_op else None
         return self._timed(dist.all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op))
 
     def reduce_scatter(
@@ -290,7 +290,7 @@ class Communicator:
         self._record("reduce_scatter", payload, reduce_scatter_traffic(payload, self.world_size, backend), purpose)
         if not self.distributed:
             output.view(-1).copy_(tensor.reshape(-1))
-            return _DoneWork([output]) if async_op else None
+            return DoneWork([output]) if async_op else None
         if op == "avg" and not self._native_avg(group):
             tensor = tensor / self.world_size
             op = "sum"
@@ -367,7 +367,7 @@ class Communicator:
         payload = size if self.rank == src else 0
         self._record("broadcast", payload, chain_broadcast_traffic(size, self.world_size, self.rank, src), purpose)
         if not self.distributed:
-            return _DoneWork([tensor]) if async_op else None
+            return DoneWork([tensor]) if async_op else None
         global_src = dist.get_global_rank(group, src) if group is not None else src
         return self._timed(dist.broadcast(tensor, src=global_src, group=group, async_op=async_op))
 
@@ -400,7 +400,7 @@ class Communicator:
                 operations.append(dist.P2POp(dist.isend, tensor.contiguous(), global_peer, group))
                 operations.append(dist.P2POp(dist.irecv, buffer, global_peer, group))
         works = dist.batch_isend_irecv(operations) if operations else []
-        work = self._timed(_AllWork(works)) if works else _DoneWork(received)
+        work = self._timed(_AllWork(works)) if works else DoneWork(received)
         if async_op:
             return received, work
         work.wait()

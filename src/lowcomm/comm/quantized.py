@@ -95,12 +95,6 @@ def stacked_chunks(tensor: torch.Tensor, run: tuple[range, int, int]) -> torch.T
     return rows[first:first + len(ranks) * size].view(len(ranks), size, *rows.shape[1:])
 
 
-def chunk_views(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor | None]:
-    """Views of ``tensor``'s W chunks (None for an empty one), in rank order."""
-    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    return [rows[start:stop] if stop > start else None for start, stop in chunk_bounds(rows.shape, world_size)]
-
-
 def payload_bytes(payload: Any) -> torch.Tensor:
     """A payload's tensors as one flat uint8 buffer, in the order of its ``tensors`` dict."""
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in payload.tensors.values()]

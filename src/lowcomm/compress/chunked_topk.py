@@ -166,20 +166,12 @@ class ChunkedTopK:
         return positions, values.to(payload.meta["dtype"])
 
     def decode(self, payloads: list[Payload]) -> torch.Tensor:
-        meta = payloads[0].meta
-        numel = meta["shape"].numel()
-        device = next(iter(payloads[0].tensors.values())).device
-        dense = torch.zeros(numel, dtype=meta["dtype"], device=device)
-        senders = torch.zeros(numel, dtype=meta["dtype"], device=device) if len(payloads) > 1 else None
-        for payload in payloads:
-            positions, values = self._sparse(payload)
-            # positions are unique within one payload, so each index_add_ is deterministic
-            dense.index_add_(0, positions, values)
-            if senders is not None:
-                senders.index_add_(0, positions, torch.ones_like(values))
-        if senders is not None:
-            dense.div_(senders.clamp_(min=1))
-        return dense.view(meta["shape"])
+        """Each entry's mean over the payloads that carry it (one payload: its values):
+        :meth:`decode_gathered` of the payloads stacked (one is a view, not a copy)."""
+        tensors = {key: (payloads[0].tensors[key].unsqueeze(0) if len(payloads) == 1 else
+                         torch.stack([payload.tensors[key] for payload in payloads]))
+                   for key in payloads[0].tensors}
+        return self.decode_gathered(Payload(tensors, payloads[0].meta))
 
     def decode_gathered(self, gathered: Payload) -> torch.Tensor:
         """:meth:`decode` of the W workers' payloads an all-gather left stacked (each tensor with
