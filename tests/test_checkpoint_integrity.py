@@ -184,20 +184,24 @@ def test_an_unreadable_summary_is_named_in_one_line_and_the_run_resumes_from_its
     assert restored["final_val_loss"] == json.loads((pristine / "summary.json").read_text())["final_val_loss"]
 
 
-def test_a_resume_on_another_number_of_workers_is_refused_once_before_spawning(finished_run, capfd):
-    """It was refused by every rank for every checkpoint, after they had started (issue 45)."""
+def test_a_resume_whose_per_rank_layout_differs_is_refused_once_before_spawning(tmp_path, capfd):
+    """Another number of ranks resumes (each rank takes a peer's state: test_resume.py), but
+    FlexDeMo's momentum is of each rank's shard: a run on 4 ranks, whose shard group is then 4,
+    cannot take the state of 2-rank shard groups. Refused before anything starts (it was refused
+    by every rank for every checkpoint, after they had started: issue 45)."""
     from lowcomm.config import ConfigError
 
-    run, pristine = finished_run
-    _fresh(run, pristine)
-    other = tiny_run(run.run_root, "train.checkpoint_every=2", "train.keep_checkpoints=3", f"run_name={run.run_name}",
-                     workers=1, max_steps=4)
+    settings = ("optimizer=flexdemo", "optimizer.shard_group_size=null", "train.checkpoint_every=2")
+    run = tiny_run(tmp_path, *settings, max_steps=4)
+    train_in_workers(run)
+    RunDir(run.run_dir).summary.unlink()  # as if killed after its last checkpoint
+    other = tiny_run(tmp_path, *settings, f"run_name={run.run_name}", workers=4, max_steps=4)
     assert other.run_dir == run.run_dir
     with pytest.raises(ConfigError) as refused:
         launch_local(other)
     assert refused.value.errors == [
-        f"{run.run_dir / 'checkpoints' / 'step_000000004' / 'trainer.json'} was written by 2 ranks, this run has 1: "
-        "resume with cluster.workers (or nodes x tasks_per_node) = 2; per-rank state cannot be split among another "
-        "number of ranks"]
+        f"{run.run_dir / 'checkpoints' / 'step_000000004' / 'trainer.json'}: its per-rank state is laid out for "
+        "optimizer.shard_group_size=2 (written by 2 ranks), this run's for optimizer.shard_group_size=4 (4 ranks): "
+        "resume on 2 ranks, as it was written, or on ranks laid out for optimizer.shard_group_size=2"]
     out, err = capfd.readouterr()
     assert "unusable" not in out + err  # no worker started to find it

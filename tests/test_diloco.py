@@ -92,22 +92,27 @@ def _worker(rank: int, world_size: int) -> dict:  # noqa: ARG001 - spawn_workers
         )
         results[name] = {"history": history, "payload_bytes": payload_bytes}
 
-    # Resume mid-interval (step 5 of H = 3) from serialized state into a differently seeded model.
+    # Resume from serialized state into a differently seeded model: mid-interval (step 5 of
+    # H = 3), model and optimizer; at an outer boundary (step 6), the optimizer alone (its state
+    # leaves the parameters out there: they are its global copy)
     overrides, compression = RUNS["topk_ef"]
-    comm = Communicator()
-    model = _model()
-    optimizer = _diloco(model, overrides, compression, comm)
-    _train(model, optimizer, comm, rank, range(1, 6))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    model = _model(seed=123)
-    optimizer = _diloco(model, overrides, compression, comm)
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    history, _ = _train(model, optimizer, comm, rank, range(6, STEPS + 1))
-    results["resumed_final"] = history[-1]
+    for stop, name, with_model in ((5, "resumed", True), (6, "resumed_at_boundary", False)):
+        comm = Communicator()
+        model = _model()
+        optimizer = _diloco(model, overrides, compression, comm)
+        _train(model, optimizer, comm, rank, range(1, stop + 1))
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        results[f"{name}_keys"] = sorted(saved["optimizer"])
+        model = _model(seed=123)
+        optimizer = _diloco(model, overrides, compression, comm)
+        if with_model:
+            model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        history, _ = _train(model, optimizer, comm, rank, range(stop + 1, STEPS + 1))
+        results[f"{name}_final"] = history[-1]
     return results
 
 
@@ -247,6 +252,17 @@ def test_resume_from_state_dict_is_bit_identical(worker_results):
         assert torch.equal(
             worker_results[rank]["resumed_final"], worker_results[rank]["topk_ef"]["history"][-1]
         )
+
+
+@pytest.mark.slow
+def test_at_an_outer_boundary_the_state_leaves_the_parameters_out_and_resumes_bit_for_bit(worker_results):
+    """A checkpoint there holds no model-sized copy per worker of what its global copy holds;
+    restored into another model from the optimizer's state alone, the run goes on as before."""
+    for rank in range(WORLD):
+        results = worker_results[rank]
+        assert "local_params" in results["resumed_keys"]
+        assert "local_params" not in results["resumed_at_boundary_keys"]
+        assert torch.equal(results["resumed_at_boundary_final"], results["topk_ef"]["history"][-1])
 
 
 def test_one_worker_h1_plain_outer_step_equals_the_inner_optimizer():

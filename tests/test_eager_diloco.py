@@ -276,6 +276,10 @@ def test_bytes_are_diloco_s_and_the_state_is_per_rank():
     for _ in range(8):  # one outer step in one process: every piece of state exists
         model(torch.randn(3, 8)).square().mean().backward()
         optimizer.step()
+    # at the outer step the local parameters are the outer ones: the state leaves them out
+    assert _tensor_bytes(optimizer.state_dict()) == 6 * params == eager.checkpoint_bytes(model, 1, at_boundary=True)[1]
+    model(torch.randn(3, 8)).square().mean().backward()
+    optimizer.step()
     assert _tensor_bytes(optimizer.state_dict()) == 7 * params
 
 

@@ -69,18 +69,22 @@ def _worker(rank: int, world_size: int) -> dict:  # noqa: ARG001 - spawn_workers
     history, metered = _train(params, optimizer, comm, rank, range(1, STEPS + 1))
     result = {"history": history, "metered": metered, "peers": [optimizer.peers(k) for k in range(1, 6)]}
 
-    # stopped after step 4 (mid-period: H = 3), resumed into fresh tensors from the saved state
-    params = [torch.nn.Parameter(t) for t in _start(rank)]
-    optimizer = _optimizer(params, comm)
-    _train(params, optimizer, comm, rank, range(1, 5))
-    buffer = io.BytesIO()
-    torch.save(optimizer.state_dict(), buffer)
-    buffer.seek(0)
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
-    optimizer = NoLoCo(params, lambda ps: torch.optim.SGD(ps, lr=LR), ARGS, comm=comm, seed=0)
-    optimizer.load_state_dict(torch.load(buffer))
-    resumed, _ = _train(params, optimizer, comm, rank, range(5, STEPS + 1))
-    result["resumed_final"] = resumed[-1]
+    # stopped after step 4 (mid-period: H = 3) and after step 3 (an outer step: the state leaves
+    # the parameters out, they are the outer weights there), resumed into fresh tensors from it
+    for stop, name in ((4, "resumed"), (3, "resumed_at_outer_step")):
+        params = [torch.nn.Parameter(t) for t in _start(rank)]
+        optimizer = _optimizer(params, comm)
+        _train(params, optimizer, comm, rank, range(1, stop + 1))
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        buffer.seek(0)
+        params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in SHAPES]
+        optimizer = NoLoCo(params, lambda ps: torch.optim.SGD(ps, lr=LR), ARGS, comm=comm, seed=0)
+        state = torch.load(buffer)
+        result[f"{name}_keys"] = sorted(state)
+        optimizer.load_state_dict(state)
+        resumed, _ = _train(params, optimizer, comm, rank, range(stop + 1, STEPS + 1))
+        result[f"{name}_final"] = resumed[-1]
     return result
 
 
@@ -121,9 +125,13 @@ def test_two_outer_steps_match_the_hand_derived_ones(world):
         for step, (got, want) in enumerate(zip(result["history"], expected, strict=True), start=1):
             for g, w in zip(got, want[rank], strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"rank {rank} step {step}")
-        # resumed mid-period from the saved state: bit-identical to the uninterrupted run
-        for g, w in zip(result["resumed_final"], result["history"][-1], strict=True):
-            assert torch.equal(g, w)
+        # resumed mid-period, and at an outer step, from the saved state: bit-identical to the
+        # uninterrupted run; only the first state holds the parameters
+        for name in ("resumed", "resumed_at_outer_step"):
+            for g, w in zip(result[f"{name}_final"], result["history"][-1], strict=True):
+                assert torch.equal(g, w), name
+        assert "local_params" in result["resumed_keys"]
+        assert "local_params" not in result["resumed_at_outer_step_keys"]
         # bytes only at the outer steps (3 and 6): both copies to every peer, as much back
         peers = 2 if world == 3 else 1
         for step, metrics in enumerate(result["metered"], start=1):

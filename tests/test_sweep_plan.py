@@ -77,6 +77,37 @@ def test_the_ranks_write_their_checkpoint_shares_in_parallel_at_the_profiles_rat
     assert not slow.fits and "WARNING: it does not fit" in slow.describe()
 
 
+def test_diloco_checkpoints_at_outer_boundaries_hold_no_workers_own_parameters(tmp_path):
+    """Issue 46: at an outer boundary a worker's parameters are its global copy, so a checkpoint
+    there leaves them out; one between two boundaries (a preemption's) holds them. By hand, for
+    OLMo-1B in fp32 (M bytes of parameters) on 64 ranks: once, the model, the global parameters
+    and the outer momentum (3M); per rank, AdamW's two moments (2M), and the parameters (M) only
+    between boundaries."""
+    model_bytes = OLMO_1B_PARAMETERS * 4
+    on = plan_job(_run("optimizer=diloco", "optimizer.sync_every=30", "train.checkpoint_every=300",
+                       run_root=tmp_path))
+    checkpoint = on.checkpoint
+    assert checkpoint.replicated_bytes == 3 * model_bytes
+    assert checkpoint.periodic_total_bytes == 3 * model_bytes + 64 * 2 * model_bytes
+    assert checkpoint.total_bytes == 3 * model_bytes + 64 * 3 * model_bytes
+    # the preemption lead time must hold the largest (rank 0: 3M once + its 3M); each periodic one is 3M + 2M
+    assert checkpoint.write_s == pytest.approx(6 * model_bytes / 400e6)
+    assert checkpoint.periodic_write_s == pytest.approx(5 * model_bytes / 400e6)
+    assert on.checkpoint_s == pytest.approx(on.checkpoints * 5 * model_bytes / 400e6)
+    # keep_checkpoints (2) periodic ones on disk, and the next, which may be a preemption's
+    assert on.scratch_bytes == 2 * checkpoint.periodic_total_bytes + checkpoint.total_bytes
+    assert checkpoint.describe().startswith(f"{checkpoint.periodic_total_bytes / 1e9:,.2f} GB each periodic one, "
+                                            "at an outer boundary")
+
+    off = plan_job(_run("optimizer=diloco", "optimizer.sync_every=30", "train.checkpoint_every=250",
+                        run_root=tmp_path)).checkpoint
+    assert off.periodic_total_bytes == off.total_bytes == checkpoint.total_bytes
+    assert (f"at outer boundaries each would be {checkpoint.periodic_total_bytes / 1e9:,.2f} GB (no worker's own "
+            "parameters): make train.checkpoint_every a multiple of optimizer.sync_every") in off.describe()
+    # a method without outer boundaries says nothing of them
+    assert "outer boundar" not in plan_job(_run("optimizer=demo", run_root=tmp_path)).checkpoint.describe()
+
+
 def test_a_rank_write_rate_that_is_not_positive_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"cluster.rank_write_MBps must be a positive number .* got 0"):
         _run("optimizer=demo", "cluster.rank_write_MBps=0", run_root=tmp_path)
@@ -110,7 +141,9 @@ def test_a_short_job_asks_for_a_short_time_and_says_why(tmp_path, capsys):
     assert plan.estimate.wall_hours * 60 < 10
     assert plan.time_limit_min == 30
     line = next(line for line in out.splitlines() if line.strip().startswith("time limit"))
-    assert f"0:30:00 on 8 nodes ({plan.estimate.wall_hours:,.2f} h of training x 1.5 + 7 checkpoints x " in line
+    # a checkpoint every 300 steps (configs/experiment/paper_ablation_300m.yaml) and at the end
+    assert plan.checkpoints == math.ceil(plan.run.train.max_steps / 300)
+    assert f"0:30:00 on 8 nodes ({plan.estimate.wall_hours:,.2f} h of training x 1.5 + {plan.checkpoints} checkpoints x " in line
     assert "the run's 64 ranks (cluster.nodes x cluster.tasks_per_node" in out  # why 8 nodes
     assert "24:00:00" not in out
 

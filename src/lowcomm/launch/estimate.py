@@ -73,16 +73,35 @@ class CheckpointEstimate:
     ``rank_bandwidth``: the write takes as long as rank 0, which writes the most."""
 
     replicated_bytes: float
-    per_rank_bytes: float
+    per_rank_bytes: float  # the most a rank writes: between two outer boundaries (a preemption's)
     world_size: int
     rank_bandwidth: float  # bytes/s one rank writes at, all writing at once (cluster.rank_write_MBps)
     lead_time_s: float | None  # the preemption signal's lead (SLURM), None locally
     # how long the other ranks wait at the checkpoint's barrier before they give up
     collective_timeout_s: float | None = None
+    # per rank, a checkpoint's at an outer boundary, which leaves the workers' own parameters out
+    # (None: the method has no such boundary), and whether every periodic one falls on one
+    # (train.checkpoint_every a multiple of the sync period)
+    boundary_per_rank_bytes: float | None = None
+    periodic_on_boundary: bool = False
 
     @property
     def total_bytes(self) -> float:
+        """The largest checkpoint: one written between two outer boundaries (a preemption may
+        write it at any step)."""
         return self.replicated_bytes + self.world_size * self.per_rank_bytes
+
+    @property
+    def periodic_per_rank_bytes(self) -> float:
+        """Per rank, each periodic checkpoint's."""
+        if self.periodic_on_boundary and self.boundary_per_rank_bytes is not None:
+            return self.boundary_per_rank_bytes
+        return self.per_rank_bytes
+
+    @property
+    def periodic_total_bytes(self) -> float:
+        """Each periodic checkpoint (every ``train.checkpoint_every`` steps)."""
+        return self.replicated_bytes + self.world_size * self.periodic_per_rank_bytes
 
     @property
     def slowest_rank_bytes(self) -> float:
@@ -91,7 +110,12 @@ class CheckpointEstimate:
 
     @property
     def write_s(self) -> float:
+        """The largest checkpoint's write (what the preemption lead time must cover)."""
         return self.slowest_rank_bytes / self.rank_bandwidth
+
+    @property
+    def periodic_write_s(self) -> float:
+        return (self.replicated_bytes + self.periodic_per_rank_bytes) / self.rank_bandwidth
 
     @property
     def filesystem_rate(self) -> float:
@@ -109,13 +133,24 @@ class CheckpointEstimate:
         return self.collective_timeout_s is not None and self.write_s > self.collective_timeout_s
 
     def describe(self) -> str:
-        text = (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once (rank 0) + "
-                f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; {self.write_s:,.0f} s: the "
-                f"ranks write at once at {self.rank_bandwidth / 1e6:,.0f} MB/s each (cluster.rank_write_MBps), "
-                f"rank 0 the most ({self.slowest_rank_bytes / 1e9:,.2f} GB), "
-                f"{self.filesystem_rate / 1e9:,.1f} GB/s into the filesystem")
+        text = ""
+        boundary = self.boundary_per_rank_bytes
+        if boundary is not None and self.periodic_on_boundary:
+            text = (f"{self.periodic_total_bytes / 1e9:,.2f} GB each periodic one, at an outer boundary "
+                    f"({self.replicated_bytes / 1e9:,.2f} GB once + {boundary / 1e9:,.2f} GB per rank x "
+                    f"{self.world_size}, no worker's own parameters), {self.periodic_write_s:,.0f} s; "
+                    "between two boundaries (a preemption's): ")
+        text += (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once (rank 0) + "
+                 f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; {self.write_s:,.0f} s: the "
+                 f"ranks write at once at {self.rank_bandwidth / 1e6:,.0f} MB/s each (cluster.rank_write_MBps), "
+                 f"rank 0 the most ({self.slowest_rank_bytes / 1e9:,.2f} GB), "
+                 f"{self.filesystem_rate / 1e9:,.1f} GB/s into the filesystem")
         if self.lead_time_s is not None:
             text += f" (preemption lead time {self.lead_time_s:g} s)"
+        if boundary is not None and not self.periodic_on_boundary:
+            at_boundary = self.replicated_bytes + self.world_size * boundary
+            text += (f"; at outer boundaries each would be {at_boundary / 1e9:,.2f} GB (no worker's own parameters): "
+                     "make train.checkpoint_every a multiple of optimizer.sync_every")
         if not self.fits:
             text += ("; WARNING: it does not fit: a preempted job is killed before its checkpoint is "
                      "written (raise cluster.signal_delay_s)")
@@ -133,10 +168,16 @@ def checkpoint_estimate(run: RunConfig, *, rank_bandwidth: float | None = None) 
     if rank_bandwidth <= 0:
         raise ValueError(f"a rank's write bandwidth must be positive, got {rank_bandwidth}")
     strategy = run.strategy_class(run.optimizer, run.compression, Communicator())
-    replicated, per_rank = strategy.checkpoint_bytes(build_model(run.model, "meta"), cluster.local_world_size)
+    model = build_model(run.model, "meta")
+    replicated, per_rank = strategy.checkpoint_bytes(model, cluster.local_world_size)
+    boundary = None
+    if strategy.boundary_saved_bytes(model) > 0:
+        boundary = strategy.checkpoint_bytes(model, cluster.local_world_size, at_boundary=True)[1]
+    every = run.train.checkpoint_every
     lead = float(cluster.signal_delay_s) if cluster.launcher == "slurm" else None
     return CheckpointEstimate(replicated, per_rank, run.world_size, rank_bandwidth, lead,
-                              float(cluster.collective_timeout_s))
+                              float(cluster.collective_timeout_s), boundary,
+                              periodic_on_boundary=bool(every) and strategy.outer_boundary(every))
 
 
 # A job asks SLURM for its estimated training time times this: the MFU is an assumption (a run at
@@ -178,7 +219,7 @@ class JobPlan:
 
     @property
     def checkpoint_s(self) -> float:
-        return self.checkpoints * self.checkpoint.write_s
+        return self.checkpoints * self.checkpoint.periodic_write_s
 
     @property
     def gpu_hours(self) -> float | None:
@@ -190,8 +231,10 @@ class JobPlan:
     @property
     def scratch_bytes(self) -> float:
         """Checkpoints on disk at the peak: ``keep_checkpoints``, and one more while the next is
-        written (the oldest is deleted after it)."""
-        return min(self.checkpoints, self.run.train.keep_checkpoints + 1) * self.checkpoint.total_bytes
+        written (the oldest is deleted after it); that one may be a preemption's, written between
+        two outer boundaries (the largest)."""
+        held = min(self.checkpoints, self.run.train.keep_checkpoints + 1)
+        return (held - 1) * self.checkpoint.periodic_total_bytes + self.checkpoint.total_bytes
 
     @property
     def capped(self) -> bool:
@@ -212,7 +255,7 @@ class JobPlan:
         if self.needed_min is None:
             return f"{slurm_time(self.time_limit_min)} (cluster.timeout_min: no GPUs, no time estimate)"
         why = (f"{self.estimate.wall_hours:,.2f} h of training x {TIME_MARGIN:g} + {self.checkpoints} checkpoints "
-               f"x {self.checkpoint.write_s:,.0f} s + {STARTUP_MIN} min start-up = {self.needed_min / 60:,.2f} h")
+               f"x {self.checkpoint.periodic_write_s:,.0f} s + {STARTUP_MIN} min start-up = {self.needed_min / 60:,.2f} h")
         if not self.capped:
             return f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes ({why}, rounded up)"
         text = (f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes: needs {self.needed_min / 60:,.1f} h "
@@ -239,7 +282,7 @@ def plan_job(run: RunConfig, *, mfu: float = DEFAULT_MFU, peak_flops: float = DE
     cap = run.cluster.timeout_min
     if run.cluster.launcher != "slurm" or estimate.wall_hours is None:
         return JobPlan(run, estimate, checkpoint, count, None, cap)
-    needed = estimate.wall_hours * 60 * TIME_MARGIN + count * checkpoint.write_s / 60 + STARTUP_MIN
+    needed = estimate.wall_hours * 60 * TIME_MARGIN + count * checkpoint.periodic_write_s / 60 + STARTUP_MIN
     # whole quarter hours, and longer than the warning signal's lead (SLURM refuses otherwise)
     floor = run.cluster.signal_delay_s / 60
     limit = TIME_STEP_MIN * math.ceil(max(needed, floor + 1) / TIME_STEP_MIN)

@@ -35,7 +35,7 @@ from lowcomm.data import materialize
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.runlock import RunDirLock
-from lowcomm.train.checkpoint import TRAINER_FILE, world_size_refusal
+from lowcomm.train.checkpoint import TRAINER_FILE, layout_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
@@ -211,17 +211,21 @@ def prepare_run_dir(run: RunConfig) -> Path:
 
 
 def check_world_size(run: RunConfig) -> None:
-    """Before a resume spawns anything: the newest checkpoint was written by as many ranks as
-    this run has (its per-rank state cannot be split among another number), refused once, as a
-    config error, instead of by every rank for every checkpoint after they started. A
-    checkpoint whose record cannot be read is the workers' to judge (and fall back from)."""
+    """Before a resume spawns anything: the newest checkpoint's per-rank state fits this run's
+    ranks (:func:`lowcomm.train.checkpoint.layout_refusal`), refused once, as a config error,
+    instead of by every rank for every checkpoint after they started. Another world size is
+    allowed (each rank takes a peer's own state: :meth:`Strategy.elastic_rule`). A checkpoint
+    whose record cannot be read is the workers' to judge (and fall back from)."""
     newest = list_checkpoints(RunDir(run.run_dir).checkpoints)[0]
     try:
-        written_by = json.loads((newest / TRAINER_FILE).read_text())["world_size"]
+        trainer = json.loads((newest / TRAINER_FILE).read_text())
+        int(trainer["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if written_by != run.world_size:
-        raise ConfigError([world_size_refusal(newest / TRAINER_FILE, written_by, run.world_size)])
+    layout = run.strategy_class.layout(run.optimizer, run.cluster.local_world_size)
+    refusal = layout_refusal(newest / TRAINER_FILE, trainer, run.world_size, layout)
+    if refusal:
+        raise ConfigError([refusal])
 
 
 def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:

@@ -813,14 +813,15 @@ class DeMo(torch.optim.Optimizer):
         covers them all, as if one stacked matrix had been sent), or one per parameter of a
         run whose payloads cannot be read as one (sign bits of a parameter before the last that
         end inside a byte: :meth:`DCTTopK.stackable`)."""
-        world = self.comm.world_size
         where: list[dict[str, tuple[torch.Tensor, int, torch.Size]]] = [{} for _ in flight.sent]
         for buffer, segments in flight.gathered.values():
             for entry, key, start, shape in segments:
                 where[entry][key] = (buffer, start, shape)
 
         def view(buffer: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
-            return buffer[:, start : start + math.prod(shape)].view(world, *shape)
+            # a row per sender: this world's, or the one an exchange restored from a checkpoint
+            # was sent in (DisTrO's, resumed at another world size)
+            return buffer[:, start : start + math.prod(shape)].view(buffer.shape[0], *shape)
 
         payloads, layouts, offsets, members = [], [], [], []
         for run in runs:

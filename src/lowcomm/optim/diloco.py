@@ -401,19 +401,29 @@ class DiLoCo(torch.optim.Optimizer):
         return [self.compressor.encode(delta) for delta in self._params]
 
     # ------------------------------------------------------------------ checkpoint
+    @property
+    def at_outer_boundary(self) -> bool:
+        """Has this worker just synchronised (or not stepped yet)? Its parameters are then its
+        global copy."""
+        return self.local_step % self.sync_every == 0
+
     def state_dict(self) -> dict[str, Any]:
         """This worker's state: inner state, global copy, outer momentum, error-feedback
-        accumulators, the local step (which fixes where the next sync falls) and this worker's
-        own parameters: between synchronisations they differ from rank 0's, which is all a
-        checkpoint's model file holds."""
-        return {
+        accumulators, the local step (which fixes where the next sync falls) and, between
+        synchronisations, this worker's own parameters (they differ from rank 0's, which is all
+        a checkpoint's model file holds). At an outer boundary they are the global copy, so
+        they are left out (a model-sized tensor per worker less in each checkpoint) and
+        :meth:`load_state_dict` restores them from it."""
+        state = {
             "inner": self.inner.state_dict(),
-            "local_params": [p.detach() for p in self._params],
             "local_step": self.local_step,
             "global_params": list(self._global),
             "outer_momentum": list(self._momentum) if self._momentum is not None else None,
             "error_feedback": list(self._error) if self._error is not None else None,
         }
+        if not self.at_outer_boundary:
+            state["local_params"] = [p.detach() for p in self._params]
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,14 +437,19 @@ class DiLoCo(torch.optim.Optimizer):
                 raise ValueError(f"DiLoCo state {key!r} does not match this optimizer's configuration")
             for target, source in zip(mine or [], saved or [], strict=True):
                 target.copy_(source)
-        if "local_params" in state_dict:  # absent in checkpoints written before it was saved
+        self.local_step = int(state_dict["local_step"])
+        if "local_params" in state_dict:
             for param, saved in zip(self._params, state_dict["local_params"], strict=True):
                 param.copy_(saved)
+        elif self.at_outer_boundary:  # the parameters are the global copy there (state_dict)
+            for param, global_ in zip(self._params, self._global, strict=True):
+                param.copy_(global_)
+        # (neither: a checkpoint written before the local parameters were saved; they are the
+        # model file's, as they were then)
         self.inner.load_state_dict(state_dict["inner"])
         # torch's load_state_dict gives the inner optimizer new param_group dicts; share them
         # again so the LR schedule keeps driving the inner lr after a resume.
         self.param_groups = self.inner.param_groups
-        self.local_step = int(state_dict["local_step"])
 
     # ------------------------------------------------------------------ accounting
     @staticmethod

@@ -128,7 +128,7 @@ class DisTrO(DeMo):
         signs = torch.sign(momentum.reshape(-1), out=spare)
         for param, part in zip(stack.params, stack.rows(signs), strict=True):
             state = self.state[param]
-            kept = state.get("lookahead")  # (torch's load_state_dict casts it to the parameter's dtype)
+            kept = state.get("lookahead")  # (int8 signs, also after a restore: load_state_dict)
             if kept is None or kept.shape != param.shape or kept.dtype != torch.int8:
                 state["lookahead"] = torch.empty(param.shape, dtype=torch.int8, device=param.device)
             state["lookahead"].view(-1).copy_(part.reshape(-1))
@@ -176,7 +176,10 @@ class DisTrO(DeMo):
         self._base = {param: base.to(param.device, param.dtype).clone()
                       for param, base in zip(params, bases, strict=False) if base is not None}
         for param in params:
-            lr = self.state.get(param, {}).get("lookahead_lr")
+            state = self.state.get(param, {})
+            if "lookahead" in state:  # torch's load_state_dict cast the signs to the parameter's dtype
+                state["lookahead"] = state["lookahead"].to(torch.int8)
+            lr = state.get("lookahead_lr")
             if lr is not None:  # this worker's own lookahead point, from the parameters without it
                 self._look_ahead(param, lr)
         self._in_flight = []

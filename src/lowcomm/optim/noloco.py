@@ -172,24 +172,31 @@ class NoLoCo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """This worker's state, all of it its own: inner state, its parameters (between outer
-        steps they differ from rank 0's, which is all a checkpoint's model file holds), its outer
-        weights and momentum, the local step (where the next outer step falls and which pairing
-        it draws) and the pairing's seed."""
-        return {
+        """This worker's state, all of it its own: inner state, its outer weights and momentum,
+        the local step (where the next outer step falls and which pairing it draws), the
+        pairing's seed and, between outer steps, its parameters (they differ from rank 0's,
+        which is all a checkpoint's model file holds; right after an outer step they are the
+        outer weights, and :meth:`load_state_dict` restores them from those)."""
+        state = {
             "inner": self.inner.state_dict(),
-            "local_params": [p.detach() for p in self._params],
             "local_step": self.local_step,
             "outer_params": list(self._outer),
             "outer_momentum": list(self._momentum),
             "seed": self.seed,
         }
+        if self.local_step % self.args.sync_every:
+            state["local_params"] = [p.detach() for p in self._params]
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key, mine in (("outer_params", self._outer), ("outer_momentum", self._momentum),
-                          ("local_params", self._params)):
-            saved = state_dict[key]
+        at_boundary = int(state_dict["local_step"]) % self.args.sync_every == 0
+        local = state_dict.get("local_params", self._outer if at_boundary else None)
+        if local is None:
+            raise ValueError("NoLoCo state has no 'local_params', which it needs between outer steps")
+        for key, mine, saved in (("outer_params", self._outer, state_dict["outer_params"]),
+                                 ("outer_momentum", self._momentum, state_dict["outer_momentum"]),
+                                 ("local_params", self._params, local)):
             if len(saved) != len(mine):
                 raise ValueError(f"NoLoCo state {key!r} holds {len(saved)} tensors, this optimizer {len(mine)}")
             for target, source in zip(mine, saved, strict=True):

@@ -34,7 +34,9 @@ Contract with the loop:
   of the optimizer's state dict (the same on every rank: DiLoCo's global parameters and outer
   momentum), which rank 0 writes once;
 - ``checkpoint_bytes(model, local_world_size)``: (replicated, per-rank) bytes of a checkpoint,
-  from shapes (the dry run checks them against the preemption lead time);
+  from shapes (the dry run checks them against the preemption lead time); ``outer_boundary`` /
+  ``boundary_saved_bytes``: where a checkpoint leaves the workers' own parameters out (the
+  DiLoCo family's outer boundaries) and how much that saves;
 - ``extra_state()`` / ``load_extra_state()``: anything else to resume exactly (comm-hook state);
 - ``model_state_dict`` / ``clip_grad_norm``: overridden by strategies that shard the model.
 """
@@ -245,18 +247,59 @@ class Strategy:
     def extra_state(self) -> dict[str, Any]:
         return {}
 
+    @classmethod
+    def layout(cls, cfg: StrategyConfig, local_world_size: int) -> dict[str, Any]:  # noqa: ARG003
+        """How this method's per-rank state is laid out over the ranks, beyond their number, as
+        the config keys that set it (``{"optimizer.shard_group_size": 8}``: FlexDeMo's momentum
+        is of each rank's shard): recorded in every checkpoint, and a resume whose layout differs
+        is refused before anything starts. Empty: rank r's state is rank r's, whatever the node
+        it is on."""
+        return {}
+
+    @classmethod
+    def elastic_rule(cls, written_by: int) -> str:
+        """What a resume from a checkpoint of ``written_by`` ranks does on another
+        world size W (the run prints it first and records it in ``metrics.jsonl``):
+        state every rank holds alike is loaded as it is; rank r takes rank (r mod written_by)'s
+        own files. Growing by a whole factor, every old worker's state is then held by the same
+        number of ranks, so a mean over workers (an outer average, the momenta DeMo sends) is
+        what it was; shrinking, the own state of ranks W ... written_by - 1 is dropped."""
+        shared = ["the model", *cls.replicated_state_keys]
+        own = "RNG, byte meter and method state"
+        if cls.replicated_optimizer_state:
+            shared.append("the optimizer state")
+        else:
+            own = "optimizer state, " + own
+        return (f"{', '.join(shared)} as written (held alike by every rank); rank r takes rank (r mod {written_by})'s "
+                f"own {own}")
+
     def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
         """(replicated, per-rank) bytes of the optimizer's checkpointed state, from shapes
         (``model`` may be on the meta device). Default: AdamW's two moments, the same on every
         rank."""
         return 2 * parameter_bytes(model), 0.0
 
-    def checkpoint_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:
+    def checkpoint_bytes(self, model: torch.nn.Module, local_world_size: int, *, at_boundary: bool = False,
+                         ) -> tuple[float, float]:
         """(written once, written by every rank) bytes of one checkpoint: the model and the
-        optimizer state that every rank holds alike, and each rank's own state. Tensor data
-        only: the files' framing adds a few hundred bytes per tensor."""
+        optimizer state that every rank holds alike, and each rank's own state; ``at_boundary``:
+        of a checkpoint written at an outer boundary (:meth:`outer_boundary`), which leaves out
+        :meth:`boundary_saved_bytes` per rank. Tensor data only: the files' framing adds a few
+        hundred bytes per tensor."""
         replicated, per_rank = self.optimizer_state_bytes(model, local_world_size)
+        if at_boundary:
+            per_rank -= self.boundary_saved_bytes(model)
         return parameter_bytes(model, trainable=False) + replicated, per_rank
+
+    def outer_boundary(self, step: int) -> bool:  # noqa: ARG002
+        """Is the end of step ``step`` an outer boundary, where every worker's parameters are a
+        copy it holds anyway (its global or outer parameters), so that a checkpoint written
+        there leaves them out? False for methods without one."""
+        return False
+
+    def boundary_saved_bytes(self, model: torch.nn.Module) -> float:  # noqa: ARG002
+        """Per-rank bytes a checkpoint at an outer boundary leaves out (:meth:`outer_boundary`)."""
+        return 0.0
 
     def analytic_payload_bytes(self, model: torch.nn.Module) -> float:
         """Payload bytes per step and worker (amortised over sync periods), from shapes alone
@@ -356,9 +399,18 @@ class OuterLoopStrategy(Strategy):
         per_sync = sync_traffic([p.shape for p in params], self.codec(), self.exchange(), world_size, params[0].dtype)
         return WireBytes(*(value / self.cfg.sync_every for value in per_sync))
 
+    def outer_boundary(self, step: int) -> bool:
+        """Every ``sync_every`` steps the workers restart from their global (outer) parameters."""
+        return step % self.cfg.sync_every == 0
+
+    def boundary_saved_bytes(self, model: torch.nn.Module) -> float:
+        """The worker's own parameters (its global copy there)."""
+        return parameter_bytes(model)
+
     def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
         """Replicated: the global parameters and the outer momentum. Per rank: the worker's own
-        parameters, the inner optimizer's state and the error-feedback accumulator."""
+        parameters (between two outer boundaries), the inner optimizer's state and the
+        error-feedback accumulator."""
         params = parameter_bytes(model)
         replicated = params * (2 if self.cfg.outer_momentum > 0 else 1)
         per_rank = (params + self.inner_state_bytes(model)

@@ -246,6 +246,12 @@ class FlexDeMoStrategy(DeMoStrategy):
     def extra_state(self) -> dict[str, Any]:
         return {"shard_group_size": self.intra.world_size}
 
+    @classmethod
+    def layout(cls, cfg: FlexDeMoConfig, local_world_size: int) -> dict[str, Any]:
+        """Each rank's momentum is of its shard: rank r mod W' holds the same shard as rank r
+        wherever the shard group size is the same (it divides every world size it runs on)."""
+        return {"optimizer.shard_group_size": cfg.shard_group_size or local_world_size}
+
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("shard_group_size") != self.intra.world_size:
             raise ValueError(

@@ -6,7 +6,7 @@ Layout: ``<run_dir>/checkpoints/step_000000100/`` holding
   the strategy's ``replicated_state_keys``), written once;
 - ``optim_rank<r>.pt``: each rank's own optimizer state (momenta that differ per worker);
 - ``rank<r>.pt``: per rank, RNG states, the Communicator meter, the strategy's extra state;
-- ``trainer.json``: step, data position, the world size it was written with;
+- ``trainer.json``: step, data position, the world size and per-rank layout it was written with;
 - ``manifest.json``: every file above with its size and sha256, written last.
 
 A checkpoint is written into ``.tmp_step_*``: each rank hashes its files while writing them
@@ -20,6 +20,12 @@ present with its recorded size and content hash, loadable); if any rank finds a 
 error names the file and all ranks fall back to the previous checkpoint together. When there
 were checkpoints and none is usable the run stops with what was found, rather than starting
 over.
+
+At another world size than the checkpoint's, rank r loads the shared files and the own files of
+rank r mod the old world size (:meth:`lowcomm.strategies.Strategy.elastic_rule`); a checkpoint
+whose per-rank layout (``Strategy.layout``: FlexDeMo's shard group size) differs from the run's
+is refused. The DiLoCo family's optimizers leave their parameters out of their state at an outer
+boundary (they are the global copy there), so a checkpoint written there holds none per rank.
 
 The names and the manifest check are :mod:`lowcomm.rundir`'s, shared with the readers of run
 directories (evaluation, reports).
@@ -90,12 +96,25 @@ def load_file(path: Path, entry: dict | None = None) -> Any:
         raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
 
 
-def world_size_refusal(trainer_file: Path, written_by: int, world_size: int) -> str:
-    """Why a checkpoint written by ``written_by`` ranks cannot resume a run of ``world_size``:
-    said by the launcher before anything spawns and by a rank that finds it anyway."""
-    return (f"{trainer_file} was written by {written_by} ranks, this run has {world_size}: resume with "
-            f"cluster.workers (or nodes x tasks_per_node) = {written_by}; per-rank state cannot be split among "
-            "another number of ranks")
+def layout_refusal(trainer_file: Path, trainer: dict, world_size: int, layout: dict) -> str | None:
+    """Why a checkpoint (its ``trainer.json`` record) cannot resume a run of ``world_size`` ranks
+    whose method lays its per-rank state out as ``layout``
+    (:meth:`lowcomm.strategies.Strategy.layout`), or None: said by the launcher before anything
+    spawns and by a rank that finds it anyway. A checkpoint written before layouts were
+    recorded resumes at its own world size only (as it always could)."""
+    written = trainer.get("layout")
+    if written is None:
+        written = layout if trainer["world_size"] == world_size else {}
+    if written == layout:
+        return None
+
+    def settings(values: dict) -> str:
+        return " ".join(f"{key}={value}" for key, value in sorted(values.items())) or "no recorded layout"
+
+    return (f"{trainer_file}: its per-rank state is laid out for {settings(written)} (written by "
+            f"{trainer['world_size']} ranks), this run's for {settings(layout)} ({world_size} ranks): resume on "
+            f"{trainer['world_size']} ranks, as it was written"
+            + (f", or on ranks laid out for {settings(written)}" if written else ""))
 
 
 def read_trainer_state(path: Path, entry: dict) -> dict:
@@ -136,14 +155,25 @@ class Restored:
     step: int
     consumed: int
     path: Path
+    written_by: int  # the world size the checkpoint was written with
+    elastic_rule: str | None = None  # what the resume did, where written_by is not this run's
+
+    def describe(self) -> str:
+        """``resuming from step_000000300`` and, at another world size, what that did."""
+        text = f"resuming from {self.path.name}"
+        if self.elastic_rule:
+            text += f" (written by {self.written_by} ranks; on these: {self.elastic_rule})"
+        return text
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, comm: Communicator, strategy, keep: int):
+    def __init__(self, run_dir: Path, comm: Communicator, strategy, keep: int, layout: dict | None = None):
         self.root = RunDir(run_dir).checkpoints
         self.comm = comm
         self.strategy = strategy
         self.keep = keep
+        # how the method's per-rank state lies over the ranks (Strategy.layout), in each checkpoint
+        self.layout = layout or {}
         # checkpoints this run could not read when it resumed: never kept in place of good ones
         self.unusable: set[str] = set()
 
@@ -160,9 +190,9 @@ class CheckpointManager:
         written: dict[str, dict] = {}
         if is_main:
             written[MODEL_FILE] = _atomic_save(model_state, tmp / MODEL_FILE)
-            written[TRAINER_FILE] = _write_bytes(json.dumps({"step": step, "consumed": consumed,
-                                                             "world_size": self.comm.world_size}).encode(),
-                                                 tmp / TRAINER_FILE)
+            trainer = {"step": step, "consumed": consumed, "world_size": self.comm.world_size,
+                       "layout": self.layout}
+            written[TRAINER_FILE] = _write_bytes(json.dumps(trainer).encode(), tmp / TRAINER_FILE)
         shared, own = self._split(optimizer.state_dict())
         if is_main and shared is not None:
             written[OPTIM_FILE] = _atomic_save(shared, tmp / OPTIM_FILE)
@@ -237,7 +267,10 @@ class CheckpointManager:
                 continue
             self._apply(loaded, model, optimizer)
             trainer = loaded["trainer"]
-            return Restored(step=trainer["step"], consumed=trainer["consumed"], path=directory)
+            written_by = trainer["world_size"]
+            rule = self.strategy.elastic_rule(written_by) if written_by != self.comm.world_size else None
+            return Restored(step=trainer["step"], consumed=trainer["consumed"], path=directory,
+                            written_by=written_by, elastic_rule=rule)
         if found:
             raise CheckpointError(f"no usable checkpoint in {self.root}; found: " + "; ".join(found)
                                   + ". Restore or remove them to start over")
@@ -251,15 +284,18 @@ class CheckpointManager:
             return load_file(directory / name, manifest_entry(manifest, directory, name))
 
         trainer = read_trainer_state(directory / TRAINER_FILE, manifest_entry(manifest, directory, TRAINER_FILE))
-        if trainer["world_size"] != self.comm.world_size:
-            raise CheckpointError(world_size_refusal(directory / TRAINER_FILE, trainer["world_size"],
-                                                     self.comm.world_size))
+        refusal = layout_refusal(directory / TRAINER_FILE, trainer, self.comm.world_size, self.layout)
+        if refusal:
+            raise CheckpointError(refusal)
+        # at another world size, rank r resumes the own state of rank r mod the world it was
+        # written by (Strategy.elastic_rule); at the same, its own
+        source = rank % trainer["world_size"]
         optim: dict = {}
         if self.strategy.replicated_optimizer_state or self.strategy.replicated_state_keys:
             optim.update(load(OPTIM_FILE))
         if not self.strategy.replicated_optimizer_state:
-            optim.update(load(optim_rank_file(rank)))
-        return {"trainer": trainer, "model": load(MODEL_FILE), "optim": optim, "rank": load(rank_file(rank))}
+            optim.update(load(optim_rank_file(source)))
+        return {"trainer": trainer, "model": load(MODEL_FILE), "optim": optim, "rank": load(rank_file(source))}
 
     def _split(self, state: dict) -> tuple[dict | None, dict | None]:
         """(written once by rank 0, written by every rank): replicated state would otherwise be

@@ -191,7 +191,8 @@ class Trainer:
         self.model, self.optimizer = self.strategy.build(model)
         self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.comm.rank,
                                 self.comm.world_size, train.micro_batch_size, seed=run.seed)
-        self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints)
+        self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
+                                             layout=self.strategy.layout(run.optimizer, self.env.local_world_size))
 
     def last_checkpoint_step(self) -> int | None:
         """The newest complete checkpoint's step (what a rerun resumes from), None when none."""
@@ -256,11 +257,14 @@ class Trainer:
         start = restored.step if restored else 0
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            where = f"resuming from {restored.path.name}" if restored else "starting"
+            where = restored.describe() if restored else "starting"
             print(f"[lowcomm] {run.run_name}: {where}; {self.n_params:,} params, {self.comm.world_size} "
                   f"workers on {self.device.type}, data {self.data.description}", flush=True)
         writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=run.run_name,
                                config=run.raw, resume_step=start if restored else None)
+        if restored and restored.elastic_rule:
+            writer.event(start, "resume", world_size=self.comm.world_size, written_by=restored.written_by,
+                         rule=restored.elastic_rule)
         progress = Progress(train.max_steps, start, enabled=self.is_main)
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0

@@ -1,4 +1,5 @@
-"""Metrics: ``metrics.jsonl`` always (one JSON object per logged step or evaluation), wandb
+"""Metrics: ``metrics.jsonl`` always (one JSON object per logged step or evaluation, and per
+event such as a resume at another world size), wandb
 optionally, and a one-line console report. Only rank 0 writes."""
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class MetricsWriter:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(values, step=step)
+
+    def event(self, step: int, event: str, **fields: Any) -> None:
+        """A change in how the run goes on (``"event": "resume"`` at another world size), a line of
+        ``metrics.jsonl`` at the step it happened; not a metric, so not sent to wandb."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, "event": event, **fields}) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         if not self.enabled:
