@@ -205,3 +205,36 @@ def test_a_resume_whose_per_rank_layout_differs_is_refused_once_before_spawning(
         "resume on 2 ranks, as it was written, or on ranks laid out for optimizer.shard_group_size=2"]
     out, err = capfd.readouterr()
     assert "unusable" not in out + err  # no worker started to find it
+
+
+def test_under_torchrun_the_layout_is_checked_with_torchrun_s_ranks_per_node(tmp_path, monkeypatch):
+    """lowcomm-torchrun --nnodes 2 --nproc-per-node 2 (cluster.workers=4): the workers' FlexDeMo
+    shard group is their node's 2 ranks, as their checkpoint records; rank 0's check before the
+    run must see the same, not the 4 ranks of cluster.workers (found by the second read)."""
+    from lowcomm.config import ConfigError
+    from lowcomm.launch.local import check_world_size
+
+    run = tiny_run(tmp_path, "optimizer=flexdemo", "optimizer.shard_group_size=null", workers=4)
+    checkpoint = RunDir(run.run_dir).checkpoints / "step_000000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer.json").write_text(json.dumps(
+        {"step": 2, "consumed": 16, "world_size": 4, "layout": {"optimizer.shard_group_size": 2}}))
+    with pytest.raises(ConfigError, match="this run's for optimizer.shard_group_size=4"):
+        check_world_size(run)  # the local launcher: 4 ranks on this machine, one shard group
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    check_world_size(run)  # torchrun's rank 0, 2 ranks per node: as written
+
+
+def test_a_resume_from_the_same_checkpoint_again_records_one_resume_event(tmp_path):
+    from lowcomm.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 2, "train/loss": 3.0}, {"step": 4, "train/loss": 2.5},
+               {"step": 4, "event": "resume", "world_size": 4, "written_by": 2, "rule": "..."},
+               {"step": 5, "train/loss": 2.4}]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    # the resumed run died before its next checkpoint: the rerun resumes from step 4 again
+    assert truncate_after(path, 4) == 2
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:2]

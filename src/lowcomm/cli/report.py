@@ -184,6 +184,9 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-excess", type=float, metavar="LOSS",
                         help="excess validation loss over the Bayes floor to time (default: the largest of "
                              "the runs' best excess losses, which every run reaches)")
+    parser.add_argument("--slowdown", type=float, default=1.0, metavar="F",
+                        help="place the runs as if their slowest worker computed F times slower than measured "
+                             "(unequal workers; cluster.slowdown measures it for real; default 1)")
     parser.add_argument("--stem", default="wallclock", help="output names: STEM.md, STEM.csv, loss_vs_STEM.png")
     args = parser.parse_args(argv)
     from lowcomm.report.figures import plot_loss_vs_wallclock
@@ -205,11 +208,13 @@ def wallclock_main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.ranks_per_link < 1:
         parser.error(f"--ranks-per-link must be >= 1, got {args.ranks_per_link}")
+    if not args.slowdown >= 1:
+        parser.error(f"--slowdown must be a factor >= 1, got {args.slowdown}")
     selection, out_dir = _select(parser, args)
     runs, labels = selection.runs, distinct_labels(selection.runs)
     try:
-        per_link = [[timeline(run, link, intra=intra, ranks_per_link=args.ranks_per_link) for run in runs]
-                    for link in links]
+        per_link = [[timeline(run, link, intra=intra, ranks_per_link=args.ranks_per_link, slowdown=args.slowdown)
+                     for run in runs] for link in links]
         target = args.target_excess if args.target_excess is not None else default_target(per_link[0])
         markdown, rows = wallclock_table(per_link, labels, target, args.ranks_per_link)
     except ValueError as exc:

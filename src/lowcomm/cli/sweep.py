@@ -284,7 +284,7 @@ def _plan_table(jobs: list[tuple[int, PlannedRun, JobPlan]]) -> list[str]:
     for number, job, plan in jobs:
         rows.append((
             str(number), job.run.label, "-" if plan.gpu_hours is None else f"{plan.gpu_hours:,.1f}",
-            f"{plan.checkpoints} x {_seconds(plan.checkpoint.periodic_write_s)} = {_seconds(plan.checkpoint_s)}",
+            f"{plan.checkpoint.describe_writes(plan.checkpoints)} = {_seconds(plan.checkpoint_s)}",
             slurm_time(plan.time_limit_min) + (" (capped)" if plan.capped else ""), str(plan.run.cluster.nodes),
             decimal_bytes(plan.scratch_bytes),
         ))

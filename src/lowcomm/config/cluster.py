@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,9 +34,33 @@ def collective_timeout_errors(cluster: ClusterSpec) -> list[str]:
     return []
 
 
+def slowdown_errors(cluster: ClusterSpec) -> list[str]:
+    """``cluster.slow_ranks`` and ``cluster.slowdown``: ranks of this run, and a finite factor >= 1,
+    on the CPU (where lowcomm stretches a rank's compute for real: :mod:`lowcomm.train.slowdown`)."""
+    ranks, factor, world = cluster.slow_ranks, cluster.slowdown, cluster.world_size
+    errors = []
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor) or factor < 1:
+        errors.append(f"cluster.slowdown must be a factor >= 1 (how many times slower cluster.slow_ranks compute), "
+                      f"got {factor!r}")
+    if not isinstance(ranks, Sequence) or isinstance(ranks, str):
+        return errors + [f"cluster.slow_ranks must be a list of ranks, got {ranks!r}"]
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            errors.append(f"cluster.slow_ranks: {rank!r} is not a rank of this run (0 ... {world - 1})")
+    if len(set(ranks)) != len(ranks):
+        errors.append(f"cluster.slow_ranks names a rank twice: {list(ranks)}")
+    if not errors and factor != 1 and not ranks:
+        errors.append(f"cluster.slowdown is {factor:g} but cluster.slow_ranks names no rank to slow down "
+                      "(cluster.slow_ranks=[3])")
+    if ranks and factor != 1 and cluster.device == "cuda":
+        errors.append("cluster.slowdown is realised on the CPU (a rank's compute measured in CPU time and "
+                      "stretched); set cluster.device=cpu, or leave cluster.slow_ranks empty on GPUs")
+    return errors
+
+
 def cluster_errors(cluster: ClusterSpec) -> list[str]:
     """Every problem of a SLURM profile's fields, each naming its key."""
-    errors: list[str] = collective_timeout_errors(cluster)
+    errors: list[str] = collective_timeout_errors(cluster) + slowdown_errors(cluster)
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
         errors += _int_error(key, getattr(cluster, key), minimum=1)
     for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):

@@ -51,6 +51,11 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
         if isinstance(semantic.get(group), dict):
             semantic[group] = {k: v for k, v in semantic[group].items() if k not in added or v != added[k]}
     semantic["world_size"] = world_size
+    cluster = raw.get("cluster") or {}
+    if cluster.get("slow_ranks") and cluster.get("slowdown", 1) != 1:
+        # the same training on unequal workers is another measurement: its own directory (named
+        # as before where every worker is equal)
+        semantic["slowdown"] = [sorted(cluster["slow_ranks"]), cluster["slowdown"]]
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]
     if raw["compression"].get("name", "none") != "none":

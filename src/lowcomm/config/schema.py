@@ -110,6 +110,10 @@ class ClusterSpec:
     collective_timeout_s: int = 900  # a collective's wait for its peers (every launcher)
     # MB/s one rank writes its checkpoint files at (all ranks at once): the dry run's checkpoint time
     rank_write_MBps: float = RANK_WRITE_MBPS
+    # unequal workers: these ranks compute ``slowdown`` times slower than they would (on the CPU:
+    # lowcomm.train.slowdown); none, every rank at its own speed
+    slow_ranks: list[int] = field(default_factory=list)
+    slowdown: float = 1.0
 
     @property
     def world_size(self) -> int:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from lowcomm.compress import CODECS, build_codec, codec_config_errors, cpu_kernels
-from lowcomm.config.cluster import cluster_errors, collective_timeout_errors, normalised
+from lowcomm.config.cluster import cluster_errors, collective_timeout_errors, normalised, slowdown_errors
 from lowcomm.config.naming import derive_run_name
 from lowcomm.config.schema import (
     SECTIONS,
@@ -195,8 +195,8 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
         _one_of(cluster.device, ("auto", "cpu", "cuda"), "cluster.device", errors)
         if cluster.launcher == "local" and cluster.workers < 1:
             errors.append(f"cluster.workers must be >= 1, got {cluster.workers}")
-        if cluster.launcher != "slurm":  # a SLURM profile's checks below include it
-            errors += collective_timeout_errors(cluster)
+        if cluster.launcher != "slurm":  # a SLURM profile's checks below include them
+            errors += collective_timeout_errors(cluster) + slowdown_errors(cluster)
         if cluster.launcher == "slurm":
             slurm_errors = cluster_errors(cluster)
             errors += slurm_errors

@@ -84,6 +84,8 @@ class CheckpointEstimate:
     # (train.checkpoint_every a multiple of the sync period)
     boundary_per_rank_bytes: float | None = None
     periodic_on_boundary: bool = False
+    periodic_checkpoints: bool = True  # train.checkpoint_every > 0 (else only the final one)
+    final_on_boundary: bool = False  # train.max_steps ends on an outer boundary
 
     @property
     def total_bytes(self) -> float:
@@ -118,6 +120,24 @@ class CheckpointEstimate:
         return (self.replicated_bytes + self.periodic_per_rank_bytes) / self.rank_bandwidth
 
     @property
+    def final_write_s(self) -> float:
+        """The final checkpoint's (at ``train.max_steps``): at an outer boundary only where the
+        steps end on one."""
+        if self.boundary_per_rank_bytes is not None and self.final_on_boundary:
+            return (self.replicated_bytes + self.boundary_per_rank_bytes) / self.rank_bandwidth
+        return self.write_s
+
+    def run_write_s(self, count: int) -> float:
+        """``count`` checkpoints' writes: the periodic ones and the final one."""
+        return (count - 1) * self.periodic_write_s + self.final_write_s if count else 0.0
+
+    def describe_writes(self, count: int) -> str:
+        """``7 x 59 s``, or ``6 x 59 s + 71 s`` where the final one is larger."""
+        if count < 2 or round(self.final_write_s) == round(self.periodic_write_s):
+            return f"{count} x {self.periodic_write_s:,.0f} s"
+        return f"{count - 1} x {self.periodic_write_s:,.0f} s + {self.final_write_s:,.0f} s"
+
+    @property
     def filesystem_rate(self) -> float:
         """Bytes/s the filesystem takes from all ranks together while they write at their rate."""
         return self.total_bytes / self.write_s
@@ -147,7 +167,7 @@ class CheckpointEstimate:
                  f"{self.filesystem_rate / 1e9:,.1f} GB/s into the filesystem")
         if self.lead_time_s is not None:
             text += f" (preemption lead time {self.lead_time_s:g} s)"
-        if boundary is not None and not self.periodic_on_boundary:
+        if boundary is not None and not self.periodic_on_boundary and self.periodic_checkpoints:
             at_boundary = self.replicated_bytes + self.world_size * boundary
             text += (f"; at outer boundaries each would be {at_boundary / 1e9:,.2f} GB (no worker's own parameters): "
                      "make train.checkpoint_every a multiple of optimizer.sync_every")
@@ -177,7 +197,9 @@ def checkpoint_estimate(run: RunConfig, *, rank_bandwidth: float | None = None) 
     lead = float(cluster.signal_delay_s) if cluster.launcher == "slurm" else None
     return CheckpointEstimate(replicated, per_rank, run.world_size, rank_bandwidth, lead,
                               float(cluster.collective_timeout_s), boundary,
-                              periodic_on_boundary=bool(every) and strategy.outer_boundary(every))
+                              periodic_on_boundary=bool(every) and strategy.outer_boundary(every),
+                              periodic_checkpoints=bool(every),
+                              final_on_boundary=strategy.outer_boundary(run.train.max_steps))
 
 
 # A job asks SLURM for its estimated training time times this: the MFU is an assumption (a run at
@@ -219,7 +241,7 @@ class JobPlan:
 
     @property
     def checkpoint_s(self) -> float:
-        return self.checkpoints * self.checkpoint.periodic_write_s
+        return self.checkpoint.run_write_s(self.checkpoints)
 
     @property
     def gpu_hours(self) -> float | None:
@@ -254,8 +276,9 @@ class JobPlan:
         cluster = self.run.cluster
         if self.needed_min is None:
             return f"{slurm_time(self.time_limit_min)} (cluster.timeout_min: no GPUs, no time estimate)"
-        why = (f"{self.estimate.wall_hours:,.2f} h of training x {TIME_MARGIN:g} + {self.checkpoints} checkpoints "
-               f"x {self.checkpoint.periodic_write_s:,.0f} s + {STARTUP_MIN} min start-up = {self.needed_min / 60:,.2f} h")
+        why = (f"{self.estimate.wall_hours:,.2f} h of training x {TIME_MARGIN:g} + checkpoints "
+               f"{self.checkpoint.describe_writes(self.checkpoints)} + {STARTUP_MIN} min start-up = "
+               f"{self.needed_min / 60:,.2f} h")
         if not self.capped:
             return f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes ({why}, rounded up)"
         text = (f"{slurm_time(self.time_limit_min)} on {cluster.nodes} nodes: needs {self.needed_min / 60:,.1f} h "
@@ -282,7 +305,7 @@ def plan_job(run: RunConfig, *, mfu: float = DEFAULT_MFU, peak_flops: float = DE
     cap = run.cluster.timeout_min
     if run.cluster.launcher != "slurm" or estimate.wall_hours is None:
         return JobPlan(run, estimate, checkpoint, count, None, cap)
-    needed = estimate.wall_hours * 60 * TIME_MARGIN + count * checkpoint.periodic_write_s / 60 + STARTUP_MIN
+    needed = estimate.wall_hours * 60 * TIME_MARGIN + checkpoint.run_write_s(count) / 60 + STARTUP_MIN
     # whole quarter hours, and longer than the warning signal's lead (SLURM refuses otherwise)
     floor = run.cluster.signal_delay_s / 60
     limit = TIME_STEP_MIN * math.ceil(max(needed, floor + 1) / TIME_STEP_MIN)

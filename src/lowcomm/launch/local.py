@@ -32,6 +32,7 @@ from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
+from lowcomm.distenv import DistEnv
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
 from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.runlock import RunDirLock
@@ -222,7 +223,10 @@ def check_world_size(run: RunConfig) -> None:
         int(trainer["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return
-    layout = run.strategy_class.layout(run.optimizer, run.cluster.local_world_size)
+    # the ranks per node as the workers will see them: torchrun's (this is rank 0's hook there)
+    # where it started this process, else the launcher's own
+    local_world_size = DistEnv.from_environ().local_world_size if DistEnv.present() else run.cluster.local_world_size
+    layout = run.strategy_class.layout(run.optimizer, local_world_size)
     refusal = layout_refusal(newest / TRAINER_FILE, trainer, run.world_size, layout)
     if refusal:
         raise ConfigError([refusal])

@@ -8,7 +8,9 @@ metered traffic into time on a link, with one stated model:
 
 - ``compute`` is the run's measured time per step (``summary.json``'s tokens/s, which times
   ``train_step`` alone; its own traffic went over loopback or shared memory, which the model
-  neglects). ``benchmarks/wan.py`` measures it on an unshaped link beside the shaped one.
+  neglects). ``benchmarks/wan.py`` measures it on an unshaped link beside the shaped one. With
+  unequal workers (``slowdown``: the slowest is that many times slower than the run measured) it
+  is the slowest worker's, whom every exchange waits for.
 - ``tx`` and ``messages`` are this rank's, as metered: the collective's algorithm is already in
   them (a ring all-reduce sends 2(W-1)/W x payload in 2(W-1) messages, a ring all-gather
   (W-1) x payload in W-1; comm/meter.py). The ring's hops are sequential, so each message pays
@@ -203,10 +205,16 @@ CUMULATIVE = {"tx": "comm/cum_tx_MB", "messages": "comm/cum_messages",
 
 
 def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, ranks_per_link: int = 1,
-             compute_s: float | None = None, overlap: float | None = None) -> Timeline:
+             compute_s: float | None = None, overlap: float | None = None, slowdown: float = 1.0) -> Timeline:
     """``run``'s logged steps placed in time on ``link`` (see the module's model); ``ranks_per_link``
-    ranks of a node share it (1: a link per rank)."""
-    compute = compute_seconds_per_step(run) if compute_s is None else compute_s
+    ranks of a node share it (1: a link per rank). ``slowdown``: the run's steps as they would go
+    with its slowest worker that many times slower than the run measured (``cluster.slowdown``):
+    every method here waits for the slowest worker at its exchanges (a synchronous one at every
+    step; the DiLoCo family once per H steps, for the H steps of lateness it gathered: the same
+    per step), so each step's compute is the slowest worker's."""
+    if not slowdown >= 1:
+        raise ValueError(f"a slowdown is a factor >= 1, got {slowdown}")
+    compute = (compute_seconds_per_step(run) if compute_s is None else compute_s) * slowdown
     out = Timeline(run, link, compute, comm_overlap(run) if overlap is None else overlap)
     records = [r for r in run.metrics if "comm/cum_tx_MB" in r]
     if records and "comm/cum_messages" not in records[-1]:

@@ -101,7 +101,8 @@ def layout_refusal(trainer_file: Path, trainer: dict, world_size: int, layout: d
     whose method lays its per-rank state out as ``layout``
     (:meth:`lowcomm.strategies.Strategy.layout`), or None: said by the launcher before anything
     spawns and by a rank that finds it anyway. A checkpoint written before layouts were
-    recorded resumes at its own world size only (as it always could)."""
+    recorded is taken as laid out for this run at its own world size, and as having no layout at
+    another (which every method but FlexDeMo has)."""
     written = trainer.get("layout")
     if written is None:
         written = layout if trainer["world_size"] == world_size else {}

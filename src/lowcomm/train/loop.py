@@ -32,6 +32,7 @@ from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
 from lowcomm.train.schedule import apply_lr, lr_multiplier
+from lowcomm.train.slowdown import Slowdown
 
 log = logging.getLogger("lowcomm.train")
 
@@ -191,6 +192,7 @@ class Trainer:
         self.model, self.optimizer = self.strategy.build(model)
         self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.comm.rank,
                                 self.comm.world_size, train.micro_batch_size, seed=run.seed)
+        self.slowdown = Slowdown.of_rank(run.cluster.slow_ranks, run.cluster.slowdown, self.comm.rank)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
                                              layout=self.strategy.layout(run.optimizer, self.env.local_world_size))
 
@@ -276,7 +278,8 @@ class Trainer:
         for step in range(start, train.max_steps):
             lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))
             t0 = self.clock()
-            loss = self.train_step(step)
+            with self.slowdown.step():  # (a rank of cluster.slow_ranks takes longer, for real)
+                loss = self.train_step(step)
             window_steps += 1
             done = step + 1
             local = float(loss)  # the step's clock has waited for the device already
@@ -428,7 +431,20 @@ class Trainer:
             "comm/peak_MB": meter.peak_step_payload / 1e6,
             "tokens_per_s": tokens_per_s,
             **self._utilisation(tokens_per_s),
+            **self._unequal_workers(),
         }
+
+    def _unequal_workers(self) -> dict:
+        """With ``cluster.slow_ranks``: which ranks, the factor, and the seconds each rank slept to
+        compute that much slower (a control collective, on every rank)."""
+        cluster = self.run.cluster
+        if not cluster.slow_ranks or cluster.slowdown == 1:
+            return {}
+        stretched = torch.zeros(self.comm.world_size, dtype=torch.float64, device=self.comm.control_device)
+        stretched[self.comm.rank] = self.slowdown.stretched_s
+        self.comm.all_reduce(stretched, purpose="control")
+        return {"slow_ranks": list(cluster.slow_ranks), "slowdown": cluster.slowdown,
+                "stretched_s": [round(float(value), 3) for value in stretched]}
 
     def _utilisation(self, tokens_per_s: float) -> dict[str, float]:
         """FLOPs per token by both conventions (:class:`lowcomm.models.FlopsPerToken`) and, on a

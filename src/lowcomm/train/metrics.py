@@ -41,11 +41,12 @@ def check_resumable(run_dir: Path) -> None:
         raise MetricsError(f"{exc}: fix or delete that line, then run the same command again") from exc
 
 def truncate_after(path: Path, step: int) -> int:
-    """Drop records logged after ``step`` (a resumed run re-logs them); return how many."""
+    """Drop records logged after ``step`` (a resumed run re-logs them), and the events of a resume
+    from ``step`` itself (a resume from it again records its own); return how many."""
     if not path.is_file():
         return 0
     records = read_metrics(path)
-    kept = [record for record in records if record["step"] <= step]
+    kept = [record for record in records if record["step"] < step or (record["step"] == step and "event" not in record)]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(tmp, path)
