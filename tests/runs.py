@@ -270,3 +270,9 @@ def tensors(state):
     elif isinstance(state, list | tuple):
         for item in state:
             yield from tensors(item)
+
+
+def tensor_bytes(state) -> int:
+    """Bytes of a (nested) state dict's tensors, 0-dim ones (AdamW's step counters) aside: what
+    a strategy's ``optimizer_state_bytes`` counts."""
+    return sum(t.numel() * t.element_size() for t in tensors(state) if t.dim())

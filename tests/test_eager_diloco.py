@@ -46,7 +46,7 @@ from lowcomm.optim.eager_diloco import EagerDiLoCo, EagerDiLoCoArgs
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoConfig, DiLoCoStrategy
 from lowcomm.strategies.eager_diloco import EagerDiLoCoConfig, EagerDiLoCoStrategy
-from runs import kill_resume_and_compare
+from runs import kill_resume_and_compare, tensor_bytes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -277,21 +277,11 @@ def test_bytes_are_diloco_s_and_the_state_is_per_rank():
         model(torch.randn(3, 8)).square().mean().backward()
         optimizer.step()
     # at the outer step the local parameters are the outer ones: the state leaves them out
-    assert _tensor_bytes(optimizer.state_dict()) == 6 * params == eager.checkpoint_bytes(model, 1, at_boundary=True)[1]
+    assert tensor_bytes(optimizer.state_dict()) == 6 * params == eager.checkpoint_bytes(model, 1, at_boundary=True)[1]
     model(torch.randn(3, 8)).square().mean().backward()
     optimizer.step()
-    assert _tensor_bytes(optimizer.state_dict()) == 7 * params
+    assert tensor_bytes(optimizer.state_dict()) == 7 * params
 
-
-def _tensor_bytes(state) -> int:
-    """Bytes of the state's tensors, AdamW's 0-dim step counters aside."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size() if state.dim() else 0
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(value) for value in state.values())
-    if isinstance(state, list | tuple):
-        return sum(_tensor_bytes(value) for value in state)
-    return 0
 
 
 def test_the_whole_exchange_hides_behind_the_next_inner_phase():

@@ -37,7 +37,7 @@ from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs,
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCoConfig, StreamingDiLoCoStrategy
 from lowcomm.train.metrics import read_metrics
-from runs import kill_resume_and_compare, tiny_run, train_in_workers
+from runs import kill_resume_and_compare, tensor_bytes, tiny_run, train_in_workers
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -253,6 +253,24 @@ def test_strategy_bytes_amortised_and_peak():
     gathered = StreamingDiLoCoStrategy(StreamingDiLoCoConfig.defaults(sync_every=8, exchange="all_gather"),
                                        {"name": "none"}, Communicator())
     assert gathered.analytic_traffic(model, 4) == (4 * 64 / 8, 3 * 4 * 64 / 8, 3 * 4 * 64 / 8, 0.0)
+
+
+@pytest.mark.parametrize("overlap", [1, 3])
+def test_the_checkpoint_estimate_is_the_largest_state_a_worker_holds(overlap):
+    """The dry run's per-rank bytes against the optimizer's own state, step by step over two
+    cycles: the largest is the estimate (the fragments' means in flight at once included)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)], torch.nn.Linear(8, 4))
+    cfg = StreamingDiLoCoConfig.defaults(sync_every=4, num_fragments=2, quantization="none", overlap=overlap)
+    strategy = StreamingDiLoCoStrategy(cfg, {"name": "none"}, Communicator())
+    _, optimizer = strategy.build(model)
+    held = []
+    for _ in range(8):
+        model(torch.randn(3, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        held.append(tensor_bytes(optimizer.state_dict()))
+    assert strategy.optimizer_state_bytes(model, 1) == (0.0, max(held))
+
 
 
 @pytest.mark.slow

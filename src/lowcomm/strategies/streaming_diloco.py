@@ -26,7 +26,16 @@ from lowcomm.optim.streaming_diloco import (
     fragment_errors,
     fragment_params,
 )
-from lowcomm.strategies.base import Cycle, Display, Point, Row, Strategy, StrategyConfig, register
+from lowcomm.strategies.base import (
+    Cycle,
+    Display,
+    Point,
+    Row,
+    Strategy,
+    StrategyConfig,
+    parameter_bytes,
+    register,
+)
 
 PATTERNS = ("strided", "sequential")
 QUANTIZATIONS = ("e3m0", "none")
@@ -99,6 +108,23 @@ class StreamingDiLoCoStrategy(Strategy):
         per_fragment = [sync_traffic(shapes, self.codec(), self.cfg.exchange, world_size, dtype)
                         for shapes in self._fragment_shapes(model)]
         return WireBytes(*(sum(values) / self.cfg.sync_every for values in zip(*per_fragment, strict=True)))
+
+    def optimizer_state_bytes(self, model: torch.nn.Module, local_world_size: int) -> tuple[float, float]:  # noqa: ARG002
+        """None replicated; per rank, the most a checkpoint holds: the worker's parameters, the
+        global fragments and their outer momentum, the inner AdamW's two moments, and the means
+        of the fragments in flight at once (a fragment's, from the step it is sent until
+        ``overlap`` steps later), the most over a cycle."""
+        params = parameter_bytes(model)
+        sizes = [sum(p.numel() * p.element_size() for p in fragment) for fragment in self.fragments(model)]
+        period, count = self.cfg.sync_every, len(sizes)
+        offsets = [index * period // count for index in range(count)]  # (StreamingDiLoCo.offsets)
+        # after step s, in flight: the exchanges sent at t in (s - overlap, s]
+        in_flight = max(sum(size for index, size in enumerate(sizes)
+                            for sent in range(step - self.cfg.overlap + 1, step + 1)
+                            if sent % period == offsets[index] % period)
+                        for step in range(period, 2 * period))
+        outer = params * (2 if self.cfg.outer_momentum > 0 else 1)
+        return 0.0, params + outer + 2 * params + in_flight
 
     def _fragment_shapes(self, model: torch.nn.Module):
         return [[p.shape for p in fragment] for fragment in self.fragments(model)]
