@@ -270,6 +270,7 @@ class Trainer:
         progress = Progress(train.max_steps, start, enabled=self.is_main)
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
+        window_aside = 0.0  # validation and checkpoint time inside the logging window: not the steps'
         preempted, val_loss, divergence, stop_signal = False, None, None, None
         agreement = BoundaryAgreement(self.comm, self.strategy.report_lag(self.strategy.cfg))
         self.model.train()
@@ -290,13 +291,13 @@ class Trainer:
                             lr=lr, logged=done % train.log_every == 0 or done == train.max_steps,
                             signum=getattr(self.should_stop, "received", None) if asked else None)
             if here.logged:
-                elapsed = self.clock() - window_t0
+                elapsed = self.clock() - window_t0 - window_aside
                 here.record.update({"opt/lr": lr, "perf/tokens_per_s": tokens_per_step * window_steps / elapsed,
                                     "perf/step_s": elapsed / window_steps})
                 in_flight = self.comm.meter.take_in_flight_s()
                 if in_flight > 0:  # asynchronous collectives in flight while this rank computed
                     here.record["perf/in_flight_s"] = in_flight / window_steps
-                window_t0, window_steps = self.clock(), 0
+                window_t0, window_steps, window_aside = self.clock(), 0, 0.0
             # the step's time is everything but the validation forwards and the checkpoint: the
             # agreement's waits are the step's, since where an exchange is still in flight on the
             # link they share they wait behind its bytes
@@ -305,6 +306,7 @@ class Trainer:
                 t_val = self.clock()
                 here.validation = self.validation_totals()
                 excluded = self.clock() - t_val
+                window_aside += excluded
                 if self.data.bayes_floor is not None:
                     here.record["val/bayes_floor"] = self.data.bayes_floor
             here.record.update(self.comm.meter.end_step())
@@ -341,7 +343,9 @@ class Trainer:
                               "last_checkpoint": next((c.name for c in list_checkpoints(self.checkpoints.root)), None)}
                 break
             if saving:
+                t_save = self.clock()
                 self.checkpoints.save(done, self.model, self.optimizer, consumed=done * train.global_batch_size)
+                window_aside += self.clock() - t_save
             if stop:
                 preempted = True
                 break

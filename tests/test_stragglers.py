@@ -1,0 +1,59 @@
+"""benchmarks/stragglers.py's plumbing on a short run (issue 47): network-namespace nodes made and
+deleted, one node made slower for real (its compute stretched, its link shaped thinner), the same
+training in every case, and the wall-clock model's prediction beside each measurement, with the
+JSON line last. (How close the prediction comes is the benchmark's to print: timings are never
+asserted.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netns_helpers import listed_namespaces, need_iproute2, netns_unavailable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STRAGGLERS = REPO_ROOT / "benchmarks" / "stragglers.py"
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_slow_node_and_a_thin_link_on_two_nodes(tmp_path):
+    if os.geteuid() != 0:
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
+    done = subprocess.run([sys.executable, str(STRAGGLERS), "--nodes", "2", "--methods", "diloco", "--steps", "10",
+                           "--slowdown", "3", "--link", "100M", "--slow-link", "10M", "--out", str(tmp_path),
+                           "--work", str(tmp_path / "runs")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
+        netns_unavailable("tc's tbf qdisc is not available in this kernel")
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "stragglers.json").read_text())
+    tags = {name.rsplit("-", 1)[1] for name in result["namespaces"]}
+    assert tags and not [name for name in listed_namespaces() if name.rsplit("-", 1)[-1] in tags]
+
+    # node 1's veth shaped to 10 Mbit/s in the slow-link case only, node 0's to 100 Mbit/s
+    assert "rate 10Mbit" in result["shaped"]["slow link"].split(";")[1]
+    assert "rate 100Mbit" in result["shaped"]["slow link"].split(";")[0]
+    assert "rate 10Mbit" not in result["shaped"]["equal"] and "tbf" not in result["shaped"]["unshaped"]
+    cases = result["methods"]["DiLoCo H=10"]["cases"]
+    assert set(cases) == {"equal", "slow compute", "slow link"}
+    # the slow node slept, the other did not; the training is the same in every case
+    assert cases["slow compute"]["stretched_s"][1] > 0 and cases["slow compute"]["stretched_s"][0] == 0
+    assert cases["equal"]["stretched_s"] is None
+    assert len({entry["final_val_loss"] for entry in cases.values()}) == 1
+    for entry in cases.values():
+        assert entry["predicted_s"] is not None and entry["measured_s"] is not None
+        assert entry["framing_bytes_per_message"] >= 0
+
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["target_loss"] == result["target_loss"]
+    assert set(last["methods"]["DiLoCo H=10"]) == {"equal", "slow compute", "slow link"}
+    table = (tmp_path / "summary.md").read_text()
+    assert "| DiLoCo H=10 | slow compute |" in table and "predictions within 25%" in table
+    assert (tmp_path / "loss_vs_time.png").stat().st_size > 0
