@@ -41,19 +41,17 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from wan import Nodes, measured_times
+from wan import IN_THE_COMPUTE, TARGET, Nodes, measured_times
 
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
 from lowcomm.report.runs import load_run
-from lowcomm.report.wallclock import Link, compute_seconds_per_step, parse_bandwidth, timeline
+from lowcomm.report.wallclock import compute_seconds_per_step, parse_bandwidth, timeline
 from lowcomm.strategies import STRATEGIES
 
 # the synchronous and local-update methods issue 47 compares, each with its quickstart settings
 METHODS = ("adamw_ddp", "diloco", "streaming_diloco", "eager_diloco", "noloco")
-ERROR_TARGET = 0.25
-IN_THE_COMPUTE = Link("loopback (in the measured step time)", float("inf"), 0.0)
 
 
 def _label(method: str) -> str:
@@ -212,8 +210,8 @@ def format_table(results: dict, cases: list[str]) -> str:
     errors = [abs(entry["error"]) for method in results["methods"].values() for entry in method["cases"].values()
               if entry["error"] is not None]
     if errors:
-        within = sum(error <= ERROR_TARGET for error in errors)
-        lines += ["", f"{within} of {len(errors)} predictions within {ERROR_TARGET:.0%} of the measurement."]
+        within = sum(error <= TARGET for error in errors)
+        lines += ["", f"{within} of {len(errors)} predictions within {TARGET:.0%} of the measurement."]
     return "\n".join(lines)
 
 

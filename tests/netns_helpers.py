@@ -51,6 +51,28 @@ def listed_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def run_shaping_benchmark(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``script`` (a benchmark that makes network namespaces and shapes their links with tc's
+    tbf) with ``args``, from ``cwd``; skipped, or failed under ``LOWCOMM_REQUIRE_NETNS=1``, where
+    this machine cannot run it: not root, no iproute2, no tbf in the kernel."""
+    if os.geteuid() != 0:
+        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
+    need_iproute2()
+    done = subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
+        netns_unavailable("tc's tbf qdisc is not available in this kernel")
+    return done
+
+
+def left_behind(namespaces: list[str]) -> list[str]:
+    """Of a benchmark's network (its ``namespaces``), the namespaces still listed: each of its
+    names ends in the tag of its network (benchmarks/netns.py), a switch's too. Other tests'
+    namespaces, made and deleted beside it by the suite's other worker, are not its to answer for."""
+    tags = {name.rsplit("-", 1)[1] for name in namespaces}
+    assert tags, namespaces
+    return [name for name in listed_namespaces() if name.rsplit("-", 1)[-1] in tags]
+
+
 def netns_unavailable(reason: str) -> None:
     if os.environ.get("LOWCOMM_REQUIRE_NETNS") == "1":
         pytest.fail(f"LOWCOMM_REQUIRE_NETNS=1 but network namespaces are unavailable: {reason}", pytrace=False)

@@ -7,14 +7,11 @@ asserted.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from netns_helpers import listed_namespaces, need_iproute2, netns_unavailable
+from netns_helpers import left_behind, run_shaping_benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STRAGGLERS = REPO_ROOT / "benchmarks" / "stragglers.py"
@@ -23,19 +20,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_slow_node_and_a_thin_link_on_two_nodes(tmp_path):
-    if os.geteuid() != 0:
-        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
-    need_iproute2()
-    done = subprocess.run([sys.executable, str(STRAGGLERS), "--nodes", "2", "--methods", "diloco", "--steps", "10",
-                           "--slowdown", "3", "--link", "100M", "--slow-link", "10M", "--out", str(tmp_path),
-                           "--work", str(tmp_path / "runs")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
-        netns_unavailable("tc's tbf qdisc is not available in this kernel")
+    done = run_shaping_benchmark(STRAGGLERS, "--nodes", "2", "--methods", "diloco", "--steps", "10", "--slowdown", "3",
+                                 "--link", "100M", "--slow-link", "10M", "--out", str(tmp_path),
+                                 "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "stragglers.json").read_text())
-    tags = {name.rsplit("-", 1)[1] for name in result["namespaces"]}
-    assert tags and not [name for name in listed_namespaces() if name.rsplit("-", 1)[-1] in tags]
+    assert left_behind(result["namespaces"]) == [], "the benchmark's namespaces were not deleted"
 
     # node 1's veth shaped to 10 Mbit/s in the slow-link case only, node 0's to 100 Mbit/s
     assert "rate 10Mbit" in result["shaped"]["slow link"].split(";")[1]

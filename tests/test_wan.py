@@ -6,14 +6,12 @@ comes is the benchmark's to print, not a test's: timings are never asserted.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from netns_helpers import listed_namespaces, need_iproute2, netns_unavailable
+from netns_helpers import left_behind, run_shaping_benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WAN = REPO_ROOT / "benchmarks" / "wan.py"
@@ -21,28 +19,12 @@ WAN = REPO_ROOT / "benchmarks" / "wan.py"
 pytestmark = pytest.mark.slow
 
 
-def _left_behind(result: dict) -> list[str]:
-    """The namespaces of the benchmark's network still listed: each of its names ends in the tag
-    of its network (benchmarks/netns.py), a switch's too. Other tests' namespaces, made and deleted
-    beside it by the suite's other worker, are not its to answer for."""
-    tags = {name.rsplit("-", 1)[1] for name in result["namespaces"]}
-    assert tags, result["namespaces"]
-    return [name for name in listed_namespaces() if name.rsplit("-", 1)[-1] in tags]
-
-
 def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(tmp_path):
-    if os.geteuid() != 0:
-        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
-    need_iproute2()
-    done = subprocess.run([sys.executable, str(WAN), "--workers", "2", "--steps", "4", "--links", "50M",
-                           "--optimizers", "AdamW-DDP", "DeMo k=32", "--out", str(tmp_path),
-                           "--work", str(tmp_path / "runs")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and "Specified qdisc kind is unknown" in done.stderr:
-        netns_unavailable("tc's tbf qdisc is not available in this kernel")
+    done = run_shaping_benchmark(WAN, "--workers", "2", "--steps", "4", "--links", "50M", "--optimizers", "AdamW-DDP",
+                                 "DeMo k=32", "--out", str(tmp_path), "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "wan.json").read_text())
-    assert _left_behind(result) == [], "the benchmark's namespace was not deleted"
+    assert left_behind(result["namespaces"]) == [], "the benchmark's namespace was not deleted"
 
     assert list(result["links"]) == ["unshaped", "50Mbit"]
     assert result["links"]["unshaped"]["tc"] == "" or "tbf" not in result["links"]["unshaped"]["tc"]
@@ -70,15 +52,11 @@ def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(t
 def test_two_nodes_shape_each_veth_and_leave_the_loopbacks_alone(tmp_path):
     """--nodes 2: a namespace per node, each node's veth shaped; FlexDeMo's replicas across nodes
     share their node's veth (the model's ranks per link), its shard group stays on the loopback."""
-    if os.geteuid() != 0:
-        netns_unavailable("not root (ip netns add needs CAP_SYS_ADMIN)")
-    need_iproute2()
-    done = subprocess.run([sys.executable, str(WAN), "--nodes", "2", "--steps", "3", "--links", "50M",
-                           "--optimizers", "FlexDeMo k=32", "--out", str(tmp_path), "--work", str(tmp_path / "runs")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    done = run_shaping_benchmark(WAN, "--nodes", "2", "--steps", "3", "--links", "50M", "--optimizers", "FlexDeMo k=32",
+                                 "--out", str(tmp_path), "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "wan.json").read_text())
-    assert len(result["namespaces"]) == 2 and _left_behind(result) == []
+    assert len(result["namespaces"]) == 2 and left_behind(result["namespaces"]) == []
     assert (result["nodes"], result["ranks_per_node"], result["world_size"]) == (2, 2, 4)
     shaped_tc = result["links"]["50Mbit"]["tc"]
     assert shaped_tc.count("rate 50Mbit") == 2  # both nodes' veths

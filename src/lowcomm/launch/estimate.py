@@ -93,12 +93,19 @@ class CheckpointEstimate:
         write it at any step)."""
         return self.replicated_bytes + self.world_size * self.per_rank_bytes
 
+    def _per_rank(self, on_boundary: bool) -> float:
+        """Per rank, a checkpoint's at an outer boundary (where the method has one) or between two."""
+        return self.boundary_per_rank_bytes if on_boundary and self.boundary_per_rank_bytes is not None \
+            else self.per_rank_bytes
+
+    def _rank0_write_s(self, per_rank: float) -> float:
+        """A checkpoint's write: rank 0's, the replicated state and its own, the most of any rank."""
+        return (self.replicated_bytes + per_rank) / self.rank_bandwidth
+
     @property
     def periodic_per_rank_bytes(self) -> float:
         """Per rank, each periodic checkpoint's."""
-        if self.periodic_on_boundary and self.boundary_per_rank_bytes is not None:
-            return self.boundary_per_rank_bytes
-        return self.per_rank_bytes
+        return self._per_rank(self.periodic_on_boundary)
 
     @property
     def periodic_total_bytes(self) -> float:
@@ -113,19 +120,17 @@ class CheckpointEstimate:
     @property
     def write_s(self) -> float:
         """The largest checkpoint's write (what the preemption lead time must cover)."""
-        return self.slowest_rank_bytes / self.rank_bandwidth
+        return self._rank0_write_s(self.per_rank_bytes)
 
     @property
     def periodic_write_s(self) -> float:
-        return (self.replicated_bytes + self.periodic_per_rank_bytes) / self.rank_bandwidth
+        return self._rank0_write_s(self.periodic_per_rank_bytes)
 
     @property
     def final_write_s(self) -> float:
         """The final checkpoint's (at ``train.max_steps``): at an outer boundary only where the
         steps end on one."""
-        if self.boundary_per_rank_bytes is not None and self.final_on_boundary:
-            return (self.replicated_bytes + self.boundary_per_rank_bytes) / self.rank_bandwidth
-        return self.write_s
+        return self._rank0_write_s(self._per_rank(self.final_on_boundary))
 
     def run_write_s(self, count: int) -> float:
         """``count`` checkpoints' writes: the periodic ones and the final one."""

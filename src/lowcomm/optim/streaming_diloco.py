@@ -88,6 +88,18 @@ class StreamingDiLoCoArgs(Args):
         return errors
 
 
+def fragment_offsets(num_fragments: int, sync_every: int) -> list[int]:
+    """The inner step (mod ``sync_every``) after which each fragment's synchronisation starts:
+    spread evenly over the period."""
+    return [index * sync_every // num_fragments for index in range(num_fragments)]
+
+
+def fragments_sent_at(step: int, num_fragments: int, sync_every: int) -> list[int]:
+    """Fragments whose synchronisation starts after inner step ``step`` (1-based)."""
+    return [index for index, offset in enumerate(fragment_offsets(num_fragments, sync_every))
+            if step % sync_every == offset % sync_every]
+
+
 def fragment_errors(num_fragments: int, sync_every: int) -> list[str]:
     """The rule on the number of fragments: one staggered offset per fragment in H steps."""
     if num_fragments < 1:
@@ -147,7 +159,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self.exchange = args.exchange
         self.comm = comm if comm is not None else Communicator()
         self.fragments = fragments
-        self.offsets = [p * args.sync_every // len(fragments) for p in range(len(fragments))]
+        self.offsets = fragment_offsets(len(fragments), args.sync_every)
         with torch.no_grad():
             self._global = [[p.detach().clone() for p in fragment] for fragment in fragments]
         self._momentum = ([[torch.zeros_like(p) for p in fragment] for fragment in self._global]
@@ -158,7 +170,7 @@ class StreamingDiLoCo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ schedule
     def fragments_sent_at(self, step: int) -> list[int]:
         """Fragments whose synchronisation starts after inner step ``step`` (1-based)."""
-        return [p for p, offset in enumerate(self.offsets) if step % self.sync_every == offset % self.sync_every]
+        return fragments_sent_at(step, len(self.fragments), self.sync_every)
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], float] | None = None):

@@ -25,6 +25,7 @@ from lowcomm.optim.streaming_diloco import (
     StreamingDiLoCoArgs,
     fragment_errors,
     fragment_params,
+    fragments_sent_at,
 )
 from lowcomm.strategies.base import (
     Cycle,
@@ -116,12 +117,10 @@ class StreamingDiLoCoStrategy(Strategy):
         ``overlap`` steps later), the most over a cycle."""
         params = parameter_bytes(model)
         sizes = [sum(p.numel() * p.element_size() for p in fragment) for fragment in self.fragments(model)]
-        period, count = self.cfg.sync_every, len(sizes)
-        offsets = [index * period // count for index in range(count)]  # (StreamingDiLoCo.offsets)
+        period = self.cfg.sync_every
         # after step s, in flight: the exchanges sent at t in (s - overlap, s]
-        in_flight = max(sum(size for index, size in enumerate(sizes)
-                            for sent in range(step - self.cfg.overlap + 1, step + 1)
-                            if sent % period == offsets[index] % period)
+        in_flight = max(sum(sizes[index] for sent in range(step - self.cfg.overlap + 1, step + 1)
+                            for index in fragments_sent_at(sent, len(sizes), period))
                         for step in range(period, 2 * period))
         outer = params * (2 if self.cfg.outer_momentum > 0 else 1)
         return 0.0, params + outer + 2 * params + in_flight
