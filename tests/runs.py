@@ -72,6 +72,19 @@ def _train_rank(rank: int, world: int, config_path: str) -> int:  # noqa: ARG001
     return train(validate(load_run_config(config_path)), DistEnv.from_environ()).final_step
 
 
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the local launcher's worker processes of the run in ``run_dir``."""
+    found = subprocess.run(["pgrep", "-f", f"lowcomm.train.worker {run_dir}"], capture_output=True, text=True)
+    ranks = {}
+    for pid in map(int, found.stdout.split()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it left between the two looks
+            continue
+        ranks[int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])] = pid
+    return ranks
+
+
 def quickstart_points() -> dict[str, list[str]]:
     """The quickstart's runs, ``"optimizer=<name>|label=..."`` -> their overrides (without the
     sweep's base): the quickstart covers every registered optimizer (test_resume checks), so a

@@ -20,7 +20,7 @@ import pytest
 
 from lowcomm.launch import local
 from lowcomm.rundir import RunDir, list_checkpoints, read_metrics
-from runs import SMALL_SYNTHETIC, TINY, as_in_a_terminal, micro_sweep_overrides, tiny_run
+from runs import SMALL_SYNTHETIC, TINY, as_in_a_terminal, micro_sweep_overrides, tiny_run, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +31,6 @@ def _train(run_root: Path, *extra: str, **popen) -> subprocess.Popen:
                             **popen)
 
 
-def _workers(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the run's worker processes."""
-    found = subprocess.run(["pgrep", "-f", f"lowcomm.train.worker {run_dir}"], capture_output=True, text=True)
-    ranks = {}
-    for pid in map(int, found.stdout.split()):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        ranks[int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])] = pid
-    return ranks
-
-
 def _lowcomm_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("lowcomm-train:")]
 
@@ -49,10 +39,10 @@ def test_a_killed_worker_is_named_with_its_signal_in_one_line(tmp_path):
     run = tiny_run(tmp_path, "train.checkpoint_every=3", max_steps=400)
     proc = _train(tmp_path, "train.max_steps=400", "train.checkpoint_every=3")
     deadline = time.monotonic() + 240
-    while not list_checkpoints(RunDir(run.run_dir).checkpoints) or len(_workers(run.run_dir)) < 2:
+    while not list_checkpoints(RunDir(run.run_dir).checkpoints) or len(worker_pids(run.run_dir)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    os.kill(_workers(run.run_dir)[1], signal.SIGKILL)
+    os.kill(worker_pids(run.run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 1, out + err

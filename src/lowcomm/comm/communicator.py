@@ -235,6 +235,26 @@ class Communicator:
         call) as it is."""
         return None if work is None else _TimedWork(work, self.meter)
 
+    # ---------------------------------------------------- an exchange that may lose a peer
+    def begin_exchange(self) -> None:
+        """Before a method's exchange. Here the world is fixed and nothing happens; between
+        replica groups that may leave and rejoin (:class:`lowcomm.comm.ft.ReplicaGroups`) it
+        forms the quorum of the groups alive, and may replace this worker's state with a live
+        peer's (a heal) before the exchange starts."""
+
+    def state_dict(self) -> dict:
+        """What a resume needs of the exchange itself (a checkpoint's rank file keeps it): nothing
+        here; between replica groups, how many exchanges this group has committed."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict`'s."""
+
+    def commit(self) -> bool:
+        """After the exchange, before its result is applied: whether to apply it. Always here (a
+        lost peer ends the run); between replica groups, False when a group died inside it."""
+        return True
+
     # -------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
         """In-place all-reduce. ``op="avg"`` is the backend's AVG (no extra pass over the tensor);

@@ -19,8 +19,9 @@ tests/test_wire.py: gloo workers in a private network namespace, its loopback's 
 Records are bucketed by ``(scope, collective)``. ``scope`` says which link a byte crossed
 (``world``, or ``intra`` / ``inter`` for hierarchical layouts) and ``purpose`` separates the
 optimizer's traffic (``data``) from the harness's own bookkeeping (``control``: validation
-loss reductions, preemption flags, checkpoint barriers), so that the paper's MB/step column
-is the optimizer's bytes alone while no byte goes unmetered.
+loss reductions, preemption flags, checkpoint barriers; ``heal``: a replica group's state sent
+by a live peer when it rejoins, :mod:`lowcomm.comm.ft`), so that the paper's MB/step column is
+the optimizer's bytes alone while no byte goes unmetered.
 """
 
 from __future__ import annotations
@@ -293,6 +294,9 @@ class CommMeter:
                 for kind in FIELDS:
                     metrics[_metric_key(f"{scope}_", kind)] = self.step_bytes(kind, scope=scope)
         metrics["comm/control_bytes"] = self.step_bytes("tx", purpose="control")
+        for kind in ("tx", "rx"):  # a replica group healed from a peer (lowcomm.comm.ft): its own kind
+            if self.step_bytes(kind, purpose="heal"):
+                metrics[f"comm/heal_{kind}_bytes"] = self.step_bytes(kind, purpose="heal")
         self.peak_step_payload = max(self.peak_step_payload, int(metrics["comm/payload_bytes"]))
         for (purpose, scope, collective), totals in self._step.items():
             self._cumulative[(purpose, scope, collective)].add(totals)

@@ -58,9 +58,31 @@ def slowdown_errors(cluster: ClusterSpec) -> list[str]:
     return errors
 
 
+def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
+    """``cluster.fault_tolerance`` and its settings (lowcomm.comm.ft): torchft runs each local
+    worker as a replica group; the quorum's minimum is a number of those groups."""
+    mode = cluster.fault_tolerance
+    if mode not in ("none", "torchft"):
+        return [f"cluster.fault_tolerance must be one of: none, torchft; got {mode!r}"]
+    errors = _int_error("min_replicas", cluster.min_replicas, minimum=1) + \
+        _int_error("max_rejoins", cluster.max_rejoins, minimum=0)
+    wait = cluster.join_timeout_s
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not math.isfinite(wait) or wait <= 0:
+        errors.append(f"cluster.join_timeout_s must be a positive number of seconds, got {wait!r}")
+    if mode == "none" or errors:
+        return errors
+    if cluster.launcher != "local":
+        errors.append("cluster.fault_tolerance=torchft runs under the local launcher (each worker a replica group); "
+                      "across SLURM nodes or torchrun it is not built yet: use cluster=local")
+    elif cluster.min_replicas > cluster.workers:
+        errors.append(f"cluster.min_replicas ({cluster.min_replicas}) is more than the run's replica groups "
+                      f"(cluster.workers={cluster.workers}): no exchange could ever commit")
+    return errors
+
+
 def cluster_errors(cluster: ClusterSpec) -> list[str]:
     """Every problem of a SLURM profile's fields, each naming its key."""
-    errors: list[str] = collective_timeout_errors(cluster) + slowdown_errors(cluster)
+    errors: list[str] = collective_timeout_errors(cluster) + slowdown_errors(cluster) + fault_tolerance_errors(cluster)
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
         errors += _int_error(key, getattr(cluster, key), minimum=1)
     for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):

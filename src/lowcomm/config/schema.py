@@ -114,6 +114,14 @@ class ClusterSpec:
     # lowcomm.train.slowdown); none, every rank at its own speed
     slow_ranks: list[int] = field(default_factory=list)
     slowdown: float = 1.0
+    # workers that leave and rejoin (lowcomm.comm.ft): none, or torchft (each worker a replica
+    # group; a lost one stops no other, and is relaunched up to max_rejoins times to heal from a
+    # live peer); an exchange commits with min_replicas groups or more; a quorum waits
+    # join_timeout_s for groups beyond them
+    fault_tolerance: str = "none"
+    min_replicas: int = 1
+    join_timeout_s: float = 10.0
+    max_rejoins: int = 3
 
     @property
     def world_size(self) -> int:

@@ -15,7 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from lowcomm.compress import CODECS, build_codec, codec_config_errors, cpu_kernels
-from lowcomm.config.cluster import cluster_errors, collective_timeout_errors, normalised, slowdown_errors
+from lowcomm.config.cluster import (
+    cluster_errors,
+    collective_timeout_errors,
+    fault_tolerance_errors,
+    normalised,
+    slowdown_errors,
+)
 from lowcomm.config.naming import derive_run_name
 from lowcomm.config.schema import (
     SECTIONS,
@@ -196,7 +202,7 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
         if cluster.launcher == "local" and cluster.workers < 1:
             errors.append(f"cluster.workers must be >= 1, got {cluster.workers}")
         if cluster.launcher != "slurm":  # a SLURM profile's checks below include them
-            errors += collective_timeout_errors(cluster) + slowdown_errors(cluster)
+            errors += collective_timeout_errors(cluster) + slowdown_errors(cluster) + fault_tolerance_errors(cluster)
         if cluster.launcher == "slurm":
             slurm_errors = cluster_errors(cluster)
             errors += slurm_errors
@@ -211,6 +217,8 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
                           "captured step's learning rate is a tensor, which bf16 weights' arithmetic rounds to bf16")
     if optimizer is not None and cluster is not None and cluster.world_size >= 1:
         errors += STRATEGIES[opt_name].check_layout(optimizer, cluster.world_size, cluster.local_world_size)
+        if cluster.fault_tolerance == "torchft":
+            errors += STRATEGIES[opt_name].check_replica_groups(optimizer, raw["compression"])
     if data is not None and train is not None:
         _validate_data(data, model, train, errors, check_files=check_data_files,
                        require_paths=require_data or check_data_files)

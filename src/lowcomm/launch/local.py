@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, start_lighthouse
 from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
 from lowcomm.distenv import DistEnv
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
-from lowcomm.rundir import RunDir, list_checkpoints, resume_note
+from lowcomm.rundir import RunDir, list_checkpoints, resume_note, write_json_atomic
 from lowcomm.runlock import RunDirLock
 from lowcomm.train.checkpoint import TRAINER_FILE, layout_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
@@ -236,19 +237,25 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
     config_path = prepare_run_dir(run)
     world = run.cluster.workers
     store = rendezvous_store(world, run.cluster.collective_timeout_s)
+    lighthouse = replica_lighthouse(run)
     with tempfile.TemporaryDirectory(prefix="lowcomm-words-") as words_dir:
         base_env = {**os.environ, **(extra_env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                     USE_LAUNCHER_STORE: "True", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                    LAUNCHED_LOCALLY: words_dir}
+                    LAUNCHED_LOCALLY: words_dir,
+                    **({LIGHTHOUSE_ENV: lighthouse.address()} if lighthouse is not None else {})}
+
+        def start(rank: int) -> subprocess.Popen:
+            env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            return subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)],
+                                    env=env, preexec_fn=_die_with_parent)
+
         procs = []
         try:
-            for rank in range(world):
-                env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                procs.append(subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)],
-                                              env=env, preexec_fn=_die_with_parent))
+            procs.extend(start(rank) for rank in range(world))
             before = _newest_checkpoint(run.run_dir)
+            rejoin = None if lighthouse is None else Rejoins(start, run.cluster.max_rejoins, Path(words_dir))
             try:
-                _wait_all(procs, Path(words_dir), run.run_dir)
+                _wait_all(procs, Path(words_dir), run.run_dir, rejoin)
             except (KeyboardInterrupt, Terminated, _StoppedBySignal) as exc:
                 # Ctrl-C, SIGTERM, or workers that a signal stopped by themselves (the launcher
                 # did not see it): every worker checkpoints at the same step boundary
@@ -260,7 +267,55 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
         finally:
             _stop_all(procs)
             del store
+            if lighthouse is not None:
+                lighthouse.shutdown()
     return run.run_dir
+
+
+def replica_lighthouse(run: RunConfig):
+    """Under ``cluster.fault_tolerance=torchft``, the job's lighthouse (one per launch), its
+    address in the run's record (``torchft.json``); None otherwise."""
+    if run.cluster.fault_tolerance != "torchft":
+        return None
+    cluster = run.cluster
+    lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
+    write_json_atomic(Path(run.run_dir) / FT_RECORD, {
+        "lighthouse": lighthouse.address(), "replica_groups": cluster.workers, "min_replicas": cluster.min_replicas,
+        "join_timeout_s": cluster.join_timeout_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "max_rejoins": cluster.max_rejoins})
+    print(f"[lowcomm] torchft: {cluster.workers} replica groups, lighthouse at {lighthouse.address()}; an exchange "
+          f"commits with {cluster.min_replicas} or more, a lost group is relaunched to rejoin (at most "
+          f"{cluster.max_rejoins} times)", flush=True)
+    return lighthouse
+
+
+# The run's record of its replica groups (lowcomm.comm.ft): the lighthouse and the settings.
+FT_RECORD = "torchft.json"
+# How long a replica group that stopped answering stays in the quorum (torchft's default).
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class Rejoins:
+    """Under torchft: a replica group that failed is started again (it resumes from its own
+    checkpoint, and heals from a live peer at its next exchange), at most ``limit`` times in all;
+    the other groups never stop."""
+
+    def __init__(self, start, limit: int, words_dir: Path):
+        self.start, self.left, self.words_dir = start, limit, words_dir
+
+    def __call__(self, procs: list[subprocess.Popen], failures: dict[int, int]) -> bool:
+        """Start the failed groups again; False when the limit is spent (the launch then fails)."""
+        if len(failures) > self.left:
+            return False
+        for rank, code in sorted(failures.items()):
+            words = _read_words(self.words_dir, rank)
+            words_file(self.words_dir, rank).unlink(missing_ok=True)
+            self.left -= 1
+            why = f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
+            print(f"[lowcomm] replica group {rank} left ({why}" + (f": {words['cause']}" if words else "")
+                  + f"); starting it again to rejoin ({self.left} more allowed); the other groups go on", flush=True)
+            procs[rank] = self.start(rank)
+        return True
 
 
 # What the workers' process-group rendezvous (torch's env://) reads to join a TCP store the
@@ -380,16 +435,19 @@ def _settled_failures(procs: list[subprocess.Popen]) -> dict[int, int]:
     return _failures([proc.poll() for proc in procs])
 
 
-def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path) -> None:
+def _wait_all(procs: list[subprocess.Popen], words_dir: Path, run_dir: Path, rejoin: Rejoins | None = None) -> None:
     """Until every worker has exited with 0. At the first that did not: :class:`WorkerFailure`
     naming the root cause among the failures once the others have settled
     (:func:`_settled_failures`, :func:`_root_cause`), or :class:`_StoppedBySignal` when the
-    workers ended on a stop signal by themselves."""
+    workers ended on a stop signal by themselves. Under torchft (``rejoin``) a failed worker is
+    a replica group, started again while the others go on."""
     while True:
         codes = [proc.poll() for proc in procs]
         if all(code == 0 for code in codes):
             return
-        if _failures(codes):
+        if (failures := _failures(codes)) and rejoin is not None and rejoin(procs, failures):
+            continue
+        if failures:
             raise _root_cause(_settled_failures(procs), words_dir, run_dir)
         stopped = [code for code in codes if code in _STOPPED_BY_SIGNAL]
         if stopped:

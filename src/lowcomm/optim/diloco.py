@@ -353,6 +353,9 @@ class DiLoCo(torch.optim.Optimizer):
         # Every worker restarts from the global copy, so a local parameter is dead once its
         # pseudo-gradient is known: its storage holds Delta_i, then the worker mean Delta,
         # then the outer update direction. No model-sized scratch buffer is needed.
+        # (Between replica groups that may fail, a quorum forms first; a group that rejoins
+        # behind is given a live peer's state there, its Delta then zero: lowcomm.comm.ft.)
+        self.comm.begin_exchange()
         for local, global_ in zip(self._params, self._global, strict=True):
             local.sub_(global_).neg_()
         if self.compressor is None:
@@ -361,6 +364,10 @@ class DiLoCo(torch.optim.Optimizer):
                 work.wait()
         else:
             self._average_compressed()
+        if not self.comm.commit():  # a peer died inside the exchange: every group drops it alike
+            for local, global_ in zip(self._params, self._global, strict=True):
+                local.copy_(global_)
+            return
         for index, (local, global_) in enumerate(zip(self._params, self._global, strict=True)):
             direction = local  # the mean Delta, turned into the outer update direction in place
             momentum = self._momentum[index] if self._momentum is not None else None

@@ -194,6 +194,10 @@ class Strategy:
     cycle: ClassVar[Cycle] = Cycle()
     replicated_optimizer_state: ClassVar[bool] = True
     replicated_state_keys: ClassVar[tuple[str, ...]] = ()
+    # Why the method does not run as replica groups that leave and rejoin
+    # (cluster.fault_tolerance=torchft, lowcomm.comm.ft); None where it does. docs/faults.md
+    # lists every method's.
+    replica_groups_refusal: ClassVar[str | None] = "its exchange is not offered between replica groups"
 
     def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg
@@ -210,6 +214,14 @@ class Strategy:
     def check_compression(cls, cfg: StrategyConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
         """Errors in how this optimizer's fields combine with the compression config."""
         return []
+
+    @classmethod
+    def check_replica_groups(cls, cfg: StrategyConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
+        """Under ``cluster.fault_tolerance=torchft``: why this configuration cannot run as replica
+        groups that leave and rejoin (checked before anything starts), or nothing."""
+        if cls.replica_groups_refusal is None:
+            return []
+        return [f"optimizer={cls.name} cannot run under cluster.fault_tolerance=torchft: {cls.replica_groups_refusal}"]
 
     @classmethod
     def check_layout(cls, cfg: StrategyConfig, world_size: int, local_world_size: int) -> list[str]:  # noqa: ARG003

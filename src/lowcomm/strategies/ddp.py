@@ -79,6 +79,8 @@ class DDPStrategy(Strategy):
     (``make_optimizer``) and may replace the hook (``register_hook``)."""
 
     cfg: DDPConfig
+    replica_groups_refusal = (
+        "its gradients are all-reduced by torch's DistributedDataParallel over the world's process group, which cannot lose a member (torchft's own DDP wrapper would be the way; not built)")
 
     @classmethod
     def comm_overlap(cls, cfg: DDPConfig, parameters: int, compression=None) -> float:  # noqa: ARG003

@@ -49,6 +49,8 @@ class DeMoConfig(StrategyConfig, DeMoArgs):
 @register
 class DeMoStrategy(Strategy):
     name = "demo"
+    replica_groups_refusal = (
+        "every step all-gathers each worker's compressed momentum, an all-gather not offered between replica groups (and a rejoining worker's own momentum has no peer copy)")
     Config = DeMoConfig
     display = Display("DeMo", marker="*", color="C3")
     quickstart = (Point("DeMo k=32", "optimizer.lr=6e-3", "optimizer.compression_topk=32"),

@@ -37,6 +37,8 @@ class DESLocConfig(StrategyConfig, DESLocArgs):
 @register
 class DESLocStrategy(Strategy):
     name = "desloc"
+    replica_groups_refusal = (
+        "its parameters and both moments are averaged on their own periods over the world's process group; not offered between replica groups")
     Config = DESLocConfig
     display = Display("DES-LOC", marker="D", color="C7")
     quickstart = (Point("DES-LOC Kx=10", "optimizer.lr=6e-3", "optimizer.sync_x=10"),)

@@ -50,6 +50,7 @@ class DiLoCoStrategy(OuterLoopStrategy):
     mid_period = ("optimizer.sync_every=2",)
     cycle = Cycle(2, "optimizer.sync_every=2")
     algorithm: ClassVar[type[DiLoCo]] = DiLoCo  # a variant of the outer loop (eager DiLoCo) names its own
+    replica_groups_refusal = None  # its dense exchange runs between replica groups (lowcomm.comm.ft)
 
     @classmethod
     def accepts_codec(cls, codec: type[Codec]) -> bool:
@@ -63,6 +64,15 @@ class DiLoCoStrategy(OuterLoopStrategy):
             return ["optimizer.error_feedback needs a compression other than none (error feedback "
                     "accumulates what a codec drops)"]
         return super().check_compression(cfg, compression)
+
+    @classmethod
+    def check_replica_groups(cls, cfg: DiLoCoConfig, compression: dict[str, Any]) -> list[str]:
+        errors = super().check_replica_groups(cfg, compression)
+        if not errors and compression.get("name", "none") != "none":
+            errors.append(f"optimizer={cls.name} runs under cluster.fault_tolerance=torchft with its dense exchange "
+                          f"only (compression=none): a compressed one is an all-gather, not offered between "
+                          f"replica groups")
+        return errors
 
     def codec(self) -> Codec | None:
         return build_codec(self.compression)

@@ -44,6 +44,8 @@ class NoLoCoStrategy(OuterLoopStrategy):
     one copy per rank and none written once."""
 
     name = "noloco"
+    replica_groups_refusal = (
+        "workers meet in pairs drawn over the whole world (point-to-point, no collective), so a lost worker leaves its partner waiting; its pairing would have to be drawn over the live groups")
     Config = NoLoCoConfig
     display = Display("NoLoCo", marker="p", color="teal")
     # DiLoCo's quickstart lr and H: the same family (AdamW inner phases of 10 steps)

@@ -40,6 +40,8 @@ class SparseLoCoStrategy(OuterLoopStrategy):
     """SparseLoCo: DiLoCo with error feedback, chunked top-k and low-bit values, no outer momentum."""
 
     name = "sparseloco"
+    replica_groups_refusal = (
+        "its exchange is an all-gather of sparse payloads, not offered between replica groups")
     Config = SparseLoCoConfig
     display = Display("SparseLoCo", marker="<", color="C8")
     quickstart = (Point("SparseLoCo H=10 2-bit", "optimizer.lr=6e-3", "optimizer.sync_every=10"),)

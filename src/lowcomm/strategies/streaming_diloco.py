@@ -63,6 +63,8 @@ class StreamingDiLoCoConfig(StrategyConfig, AdamWArgs, StreamingDiLoCoArgs):
 @register
 class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
+    replica_groups_refusal = (
+        "its fragments' all-reduces stay in flight across inner steps; a group lost inside one needs the fragment's own quorum and commit (torchft's Streaming DiLoCo has them; not built here yet)")
     Config = StreamingDiLoCoConfig
     display = Display("Streaming DiLoCo", marker=">", color="C9")
     quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",

@@ -31,6 +31,7 @@ from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
+from lowcomm.train.replicas import ReplicaGroup
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 from lowcomm.train.slowdown import Slowdown
 
@@ -172,11 +173,21 @@ class Trainer:
         torch.set_num_threads(threads)
         self.device = pick_device(run.cluster.device, env.local_rank)
         timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
-        init_distributed(env, self.device, timeout)
         self.clock = DeviceClock(self.device)
-        self.comm = Communicator.world(self.device, timeout=timeout)
+        self.group: ReplicaGroup | None = None
+        if run.cluster.fault_tolerance == "torchft":
+            # one replica group per worker: the loop's collectives are the group's own (one
+            # rank: none), and only the method's exchange reaches the other groups
+            self.comm = Communicator(device=self.device, timeout=timeout)
+            self.group = ReplicaGroup(run, env, self.comm.meter, self.device)
+            self.exchange, self.run_dir = self.group.exchange, self.group.run_dir
+            self.shard, self.world_size = self.group.replica, self.group.replicas
+        else:
+            init_distributed(env, self.device, timeout)
+            self.comm = self.exchange = Communicator.world(self.device, timeout=timeout)
+            self.run_dir = run.run_dir
+            self.shard, self.world_size = self.comm.rank, self.comm.world_size
         self.is_main = self.comm.rank == 0
-        self.run_dir = run.run_dir
         self.peers = PeerTable.gather(self.comm, run.cluster.collective_timeout_s)
         with self.peers.watch(self.last_checkpoint_step):
             self._build()
@@ -188,11 +199,13 @@ class Trainer:
         model, self.autocast, self.loss = with_speed_settings(build_model(run.model, self.device, seed=run.seed),
                                                               train, self.device)
         self.n_params = count_parameters(model)
-        self.strategy = run.strategy_class(run.optimizer, run.compression, self.comm)
+        self.strategy = run.strategy_class(run.optimizer, run.compression, self.exchange)
         self.model, self.optimizer = self.strategy.build(model)
-        self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.comm.rank,
-                                self.comm.world_size, train.micro_batch_size, seed=run.seed)
-        self.slowdown = Slowdown.of_rank(run.cluster.slow_ranks, run.cluster.slowdown, self.comm.rank)
+        self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.shard,
+                                self.world_size, train.micro_batch_size, seed=run.seed)
+        self.slowdown = Slowdown.of_rank(run.cluster.slow_ranks, run.cluster.slowdown, self.shard)
+        if self.group is not None:
+            self.group.serve(self.model, self.optimizer, self.strategy.outer_boundary)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
                                              layout=self.strategy.layout(run.optimizer, self.env.local_world_size))
 
@@ -260,14 +273,17 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             where = restored.describe() if restored else "starting"
-            print(f"[lowcomm] {run.run_name}: {where}; {self.n_params:,} params, {self.comm.world_size} "
-                  f"workers on {self.device.type}, data {self.data.description}", flush=True)
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=run.run_name,
+            workers = (f"{self.comm.world_size} workers" if self.group is None else
+                       f"replica group {self.group.replica} of {self.world_size} (torchft)")
+            print(f"[lowcomm] {self.record_name}: {where}; {self.n_params:,} params, {workers} "
+                  f"on {self.device.type}, data {self.data.description}", flush=True)
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=self.record_name,
                                config=run.raw, resume_step=start if restored else None)
         if restored and restored.elastic_rule:
             writer.event(start, "resume", world_size=self.comm.world_size, written_by=restored.written_by,
                          rule=restored.elastic_rule)
-        progress = Progress(train.max_steps, start, enabled=self.is_main)
+        # (under torchft group 0's progress stands for the run's; every group has its own record)
+        progress = Progress(train.max_steps, start, enabled=self.is_main and self.shard == 0)
         tokens_per_step = train.global_batch_size * train.seq_len
         window_t0, window_steps, compute_s = self.clock(), 0, 0.0
         window_aside = 0.0  # validation and checkpoint time inside the logging window: not the steps'
@@ -276,11 +292,16 @@ class Trainer:
         self.model.train()
         self._tell_stop("begin")  # from here a stop signal waits for a step boundary
         step = start
-        for step in range(start, train.max_steps):
+        steps = Steps(start, train.max_steps)
+        for step in steps:
             lr = apply_lr(self.optimizer, lr_multiplier(step, train.warmup_steps, train.max_steps, train.alpha_f))
             t0 = self.clock()
+            if self.group is not None:
+                self.group.stepping = step + 1
             with self.slowdown.step():  # (a rank of cluster.slow_ranks takes longer, for real)
                 loss = self.train_step(step)
+            if self.group is not None:
+                step = self._replica_events(writer, steps, step)
             window_steps += 1
             done = step + 1
             local = float(loss)  # the step's clock has waited for the device already
@@ -367,6 +388,26 @@ class Trainer:
         return TrainResult(self.run_dir, final_step, preempted, summary,
                            stop_signal=stop_signal if preempted else None)
 
+    def _replica_events(self, writer: MetricsWriter, steps: Steps, step: int) -> int:
+        """A replica group's step ends: its membership changes go to its record, and after a heal
+        the loop goes on from the peer's step (returned as the step that just ended)."""
+        healed = self.group.take_heal()
+        if healed is not None:
+            step = healed - 1
+            steps.resume_after(step)
+            if self.is_main:
+                print(f"[lowcomm] {self.record_name}: rejoined and healed from a live peer at step {healed}",
+                      flush=True)
+        for event in self.group.take_events():
+            writer.event(step + 1, event.pop("event"), replica=self.group.replica, **event)
+        return step
+
+    @property
+    def record_name(self) -> str:
+        """The run's name, and under torchft the replica group's (its records are its own)."""
+        return self.run.run_name if self.group is None or self.group.replica == 0 else \
+            f"{self.run.run_name}-replica{self.group.replica}"
+
     def _leaving(self) -> None:
         """Tell ``should_stop`` (where it wants to know: ``honour()``, a
         :class:`~lowcomm.train.stop.StopFlag`) that the loop has reached the boundary it leaves
@@ -418,7 +459,10 @@ class Trainer:
             "model": self.run.model.name,
             "optimizer": self.run.optimizer_name,
             "compression": self.run.compression.get("name", "none"),
-            "world_size": self.comm.world_size,
+            "world_size": self.world_size,
+            **({"fault_tolerance": "torchft", "replica": self.group.replica,
+                "heal_tx_MB": meter.cumulative_bytes("tx", purpose="heal") / 1e6,
+                "heal_rx_MB": meter.cumulative_bytes("rx", purpose="heal") / 1e6} if self.group is not None else {}),
             "parameters": self.n_params,
             "steps": final_step,
             "tokens": final_step * train.global_batch_size * train.seq_len,
@@ -445,7 +489,7 @@ class Trainer:
         if not cluster.slow_ranks or cluster.slowdown == 1:
             return {}
         stretched = torch.zeros(self.comm.world_size, dtype=torch.float64, device=self.comm.control_device)
-        stretched[self.comm.rank] = self.slowdown.stretched_s
+        stretched[self.comm.rank] = self.slowdown.stretched_s  # (under torchft: this group's alone)
         self.comm.all_reduce(stretched, purpose="control")
         return {"slow_ranks": list(cluster.slow_ranks), "slowdown": cluster.slowdown,
                 "stretched_s": [round(float(value), 3) for value in stretched]}
@@ -459,8 +503,8 @@ class Trainer:
         peak = bf16_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         if peak is not None:
             out["peak_flops_per_rank"] = peak
-            out["mfu_6N"] = flops.six_n * tokens_per_s / (self.comm.world_size * peak)
-            out["mfu_olmo_core"] = flops.olmo_core * tokens_per_s / (self.comm.world_size * peak)
+            out["mfu_6N"] = flops.six_n * tokens_per_s / (self.world_size * peak)
+            out["mfu_olmo_core"] = flops.olmo_core * tokens_per_s / (self.world_size * peak)
         return out
 
     def close(self) -> None:
@@ -469,6 +513,8 @@ class Trainer:
         reference to it (DDP's reducer, when the model is garbage-collected) joins those threads
         while holding the GIL. So: drain the queue, drop the model and optimizer while the group
         is still registered, give the threads the GIL once, then destroy the group."""
+        if self.group is not None:
+            self.group.close()
         if not dist.is_initialized():
             return
         self.comm.barrier()
@@ -477,6 +523,23 @@ class Trainer:
         gc.collect()
         time.sleep(0.01)  # releases the GIL: gloo's threads finish releasing the last works
         dist.destroy_process_group()
+
+
+class Steps:
+    """The loop's steps, ``start`` ... ``stop - 1``, which a replica group's heal can move on:
+    after :meth:`resume_after` the next step is the one after the peer's."""
+
+    def __init__(self, start: int, stop: int):
+        self._next, self._stop = start, stop
+
+    def __iter__(self):
+        while self._next < self._stop:
+            step = self._next
+            self._next += 1
+            yield step
+
+    def resume_after(self, step: int) -> None:
+        self._next = step + 1
 
 
 def train(run: RunConfig, env: DistEnv, should_stop: Callable[[], bool] | None = None) -> TrainResult:

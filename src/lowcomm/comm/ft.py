@@ -1,0 +1,255 @@
+"""Replica groups that leave and rejoin a run: the methods' exchange across groups through a
+torchft ``Manager`` (``cluster.fault_tolerance=torchft``).
+
+Each replica group (one rank on a laptop) trains on its own and meets the others only at its
+method's exchange. There, :meth:`ReplicaGroups.begin_exchange` asks the job's lighthouse for a
+quorum: the groups alive at that moment. A group that has died is simply not in it (the
+lighthouse stops hearing its heartbeat) and the others average over who is there; a group that
+comes back joins the next quorum, and when it is behind, it *heals*: a live peer sends it its
+state (torchft's checkpoint transport), and it contributes nothing to that one exchange but
+applies its result, so that it leaves the exchange where its peers do. An exchange a group lost
+midway (a peer died inside it) is not committed by anyone (:meth:`commit`), and each group
+goes on from the state before it.
+
+Every byte goes through the meter: the exchange as the ring all-reduce gloo runs over the live
+groups, the count of contributors as control traffic, and a heal as its own kind (purpose
+``heal``: the state's tensor bytes, sent by the peer and received by the healed group, outside
+the paper's MB/step column).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowcomm.comm.communicator import Communicator, DoneWork, nbytes
+from lowcomm.comm.meter import CommMeter, ring_all_reduce_traffic
+
+# The launcher puts the job's lighthouse address here for its workers (the run's record has it too).
+LIGHTHOUSE_ENV = "LOWCOMM_TORCHFT_LIGHTHOUSE"
+HEAL = "heal"
+
+
+def quiet_torchft() -> None:
+    """torchft tells every quorum, commit and reconfiguration (its Rust side on stderr, at INFO
+    unless ``RUST_LOG`` says otherwise); lowcomm's own lines and events say what changed. Before
+    torchft's Rust part is loaded; a ``RUST_LOG`` of the user's own is kept."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float):
+    """The job's torchft lighthouse, serving on a port of the kernel's choosing (its ``address()``).
+    ``join_timeout_s``: how long a first quorum (or one after a loss) waits for groups beyond
+    ``min_replicas``; ``heartbeat_timeout_s``: how long a silent group stays a member."""
+    quiet_torchft()
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+
+def state_bytes(state: Any) -> int:
+    """The tensor bytes of a (nested) state dict: what a heal moves, besides pickling's framing."""
+    if isinstance(state, torch.Tensor):
+        return nbytes(state)
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def metered_transport(meter: CommMeter, timeout: datetime.timedelta):
+    """torchft's HTTP checkpoint transport with the heal's bytes in ``meter``: the sending peer
+    counts the state once per group it serves, the healed group what it received."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class MeteredTransport(HTTPTransport):
+        def send_checkpoint(self, dst_ranks, step, state_dict, timeout):
+            served = state_bytes(state_dict)
+            meter.record(HEAL, served, served * len(dst_ranks), 0, messages=len(dst_ranks), purpose=HEAL)
+            return super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+            meter.record(HEAL, 0, 0, state_bytes(state), purpose=HEAL)
+            return state
+
+    return MeteredTransport(timeout=timeout, num_chunks=0)
+
+
+def _refused(collective: str):
+    def refused(self, *args, **kwargs):  # noqa: ARG001 - any collective's signature
+        raise NotImplementedError(f"{collective} between replica groups (cluster.fault_tolerance=torchft): only the "
+                                  "DiLoCo family's dense all-reduce runs there")
+    return refused
+
+
+class _Averaged:
+    """An exchange's work whose result is divided by the contributors once it is in."""
+
+    def __init__(self, work, tensor: torch.Tensor, contributors: int):
+        self._work, self._tensor, self._contributors = work, tensor, contributors
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - same signature as dist.Work
+        self._work.wait()
+        self._tensor.div_(max(self._contributors, 1))
+        return True
+
+
+class ReplicaGroups(Communicator):
+    """The exchange between replica groups, metered, through a torchft ``Manager``.
+
+    ``world_size`` is the number of groups in the current quorum (``replicas`` when all are
+    alive), ``rank`` this group's index. Only what the DiLoCo family's dense exchange needs is
+    offered: an averaging (or summing) all-reduce between :meth:`begin_exchange` and
+    :meth:`commit`; any other collective raises, naming itself.
+
+    Args:
+        replica / replicas: this group's index, and the number of groups the run has.
+        lighthouse: the job's lighthouse address (``host:port``).
+        min_replicas: the fewest groups an exchange commits with.
+        meter: where bytes go (the training loop's).
+        timeout: a collective's or a heal's wait; ``quorum_timeout``: a quorum's.
+    """
+
+    def __init__(self, replica: int, replicas: int, *, lighthouse: str, min_replicas: int, meter: CommMeter,
+                 device: torch.device | str = "cpu", timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+                 quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=300), run_id: str = "lowcomm"):
+        quiet_torchft()
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.group = self.control_group = None
+        self.meter, self.scope, self.timeout = meter, "world", timeout
+        self.device = torch.device(device)
+        self.served = self.control_served = {"cpu": "gloo"}
+        self.control_device = torch.device("cpu")
+        self.rank = self.global_rank = replica
+        self.replicas = self.world_size = replicas
+        self.contributors = replicas
+        self.events: list[dict] = []
+        self.healed_state: dict | None = None  # what the last heal loaded, until the loop takes it
+        self._save: Callable[[], dict] | None = None
+        self._load: Callable[[dict], None] | None = None
+        self._members: int | None = None
+        # the group's own store (a group of one rank here; the ranks of a node on a cluster)
+        self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state, state_dict=self._state,
+            min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
+            connect_timeout=timeout, rank=0, world_size=1, store_addr="localhost", store_port=self._store.port,
+            lighthouse_addr=lighthouse, replica_id=f"{run_id}_replica{replica}", hostname=socket.gethostname(),
+            checkpoint_transport=metered_transport(meter, timeout), init_sync=False)
+
+    def __repr__(self) -> str:
+        return f"ReplicaGroups(replica={self.rank}, live={self.world_size}/{self.replicas})"
+
+    # ------------------------------------------------------------------ state a heal moves
+    def serve_state(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
+        """What a peer behind this group is sent (``save()``), and how this group takes a peer's
+        (``load(state)``, in the training thread, inside :meth:`begin_exchange`)."""
+        self._save, self._load = save, load
+
+    def _state(self) -> dict:
+        if self._save is None:
+            raise RuntimeError("a peer asked for this group's state before the run set it (serve_state)")
+        return self._save()
+
+    def _load_state(self, state: dict) -> None:
+        if self._load is None:
+            raise RuntimeError("this group was sent a peer's state before the run could take it (serve_state)")
+        self._load(state)
+        self.healed_state = state
+
+    # ------------------------------------------------------------------ one exchange
+    def begin_exchange(self) -> None:
+        """Join the quorum of the groups alive now (healing from a live peer when this group is
+        behind), then count the groups that contribute: all but a group that has just healed."""
+        healed_before = self.healed_state
+        self.manager.start_quorum()
+        healed = self.healed_state is not healed_before
+        self.world_size = self.manager.num_participants()
+        flag = torch.tensor([0.0 if healed else 1.0])
+        self._record("all_reduce", nbytes(flag), ring_all_reduce_traffic(nbytes(flag), self.world_size), "control")
+        self._issue(flag, "sum").wait()
+        self.contributors = int(round(float(flag[0])))
+        step = self.manager.current_step()
+        if self._members is not None and self.world_size != self._members:
+            self.events.append({"event": "membership", "exchange": step, "groups": self.world_size,
+                                "was": self._members})
+        if healed:
+            self.events.append({"event": "heal", "exchange": step, "groups": self.world_size,
+                                "bytes": state_bytes(self.healed_state)})
+        self._members = self.world_size
+
+    def commit(self) -> bool:
+        """Whether every group in the quorum finished this exchange (none died inside it): only
+        then is its result applied, by all of them alike."""
+        committed = self.manager.should_commit()
+        if not committed:
+            self.events.append({"event": "exchange_dropped", "exchange": self.manager.current_step(),
+                                "groups": self.world_size})
+        return committed
+
+    def state_dict(self) -> dict:
+        """The exchanges this group has committed (torchft's step): a group that resumes from an
+        older checkpoint than its peers' is then behind them, and heals at its first exchange."""
+        return {"torchft": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "torchft" in state:
+            self.manager.load_state_dict(state["torchft"])
+
+    def take_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+    # ------------------------------------------------------------------ collectives
+    def _issue(self, tensor: torch.Tensor, op: str):
+        from torch.distributed import ReduceOp
+
+        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM if op in ("sum", "avg") else _unsupported(op))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
+        """Sum over the live groups; ``op="avg"`` divides by the groups that contributed."""
+        self._route("all_reduce", purpose, tensor)
+        payload = nbytes(tensor)
+        self._record("all_reduce", payload, ring_all_reduce_traffic(payload, self.world_size), purpose)
+        if self.world_size <= 1:
+            if op == "avg":
+                tensor.div_(max(self.contributors, 1))
+            return DoneWork([tensor]) if async_op else None
+        work = self._issue(tensor, op)
+        if op == "avg":
+            work = _Averaged(work, tensor, self.contributors)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # the DiLoCo family's dense exchange needs none of these (Strategy.replica_groups_refusal)
+    all_gather = _refused("all_gather")
+    all_gather_into_tensor = _refused("all_gather_into_tensor")
+    reduce_scatter = _refused("reduce_scatter")
+    all_reduce_quantized = _refused("all_reduce_quantized")
+    broadcast = _refused("broadcast")
+    exchange = _refused("exchange")
+    split = _refused("split")
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _unsupported(op: str):
+    raise NotImplementedError(f"all_reduce op {op!r} between replica groups: sum or avg")
+

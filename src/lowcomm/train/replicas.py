@@ -1,0 +1,84 @@
+"""A worker as one replica group of a run that survives lost workers
+(``cluster.fault_tolerance=torchft``; the exchange itself: :mod:`lowcomm.comm.ft`).
+
+Under it nothing is world-wide but the method's exchange. Each group (one rank under the local
+launcher) trains its own shard of every step's batch, validates, checkpoints and agrees on a
+stop by itself, so that a group's death stops no other. Its records go to its own run
+directory: group 0's is the run's (``<run_dir>``: what the reports read), group g's
+``<run_dir>/replicas/<g>``. A group that comes back behind its peers is given a live peer's
+state at its next exchange (a heal): the loop then continues from the peer's step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups
+from lowcomm.comm.meter import CommMeter
+
+if TYPE_CHECKING:
+    from lowcomm.config import RunConfig
+    from lowcomm.distenv import DistEnv
+
+# A checkpoint's or a heal's record of the loop's step (the steps a group has done)
+HEALED_STEP = "step"
+
+
+def replica_run_dir(run_dir: str | Path, replica: int) -> Path:
+    """Where replica group ``replica`` keeps its records: the run's directory for group 0."""
+    run_dir = Path(run_dir)
+    return run_dir if replica == 0 else run_dir / "replicas" / str(replica)
+
+
+class ReplicaGroup:
+    """This worker's replica group: its index, its run directory and its exchange with the
+    other groups (:class:`~lowcomm.comm.ft.ReplicaGroups`), and the state a heal moves."""
+
+    def __init__(self, run: RunConfig, env: DistEnv, meter: CommMeter, device: torch.device):
+        lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse address in ${LIGHTHOUSE_ENV} "
+                               "(lowcomm's launcher starts one per job and sets it)")
+        self.replica, self.replicas = env.rank, env.world_size
+        self.run_dir = replica_run_dir(run.run_dir, self.replica)
+        timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
+        self.exchange = ReplicaGroups(self.replica, self.replicas, lighthouse=lighthouse,
+                                      min_replicas=run.cluster.min_replicas, meter=meter, device=device,
+                                      timeout=timeout, quorum_timeout=timeout, run_id=run.run_name)
+        self.stepping = 0  # the steps done once the step in progress ends (what a heal sends)
+        self._healed_to: int | None = None
+
+    def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, at_boundary) -> None:
+        """The state a peer behind this group is sent: the optimizer's, the loop's step, and the
+        model's parameters unless ``at_boundary(step)`` (the optimizer then restores them from
+        its own global copy: the DiLoCo family at an outer step)."""
+
+        def save() -> dict:
+            state = {HEALED_STEP: self.stepping, "optimizer": optimizer.state_dict()}
+            if not at_boundary(self.stepping):
+                state["model"] = model.state_dict()
+            return state
+
+        def load(state: dict) -> None:
+            if "model" in state:
+                model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            self._healed_to = int(state[HEALED_STEP])
+
+        self.exchange.serve_state(save, load)
+
+    def take_heal(self) -> int | None:
+        """The step this group continues from after a heal in the step just ended, else None."""
+        healed, self._healed_to = self._healed_to, None
+        return healed
+
+    def take_events(self) -> list[dict]:
+        return self.exchange.take_events()
+
+    def close(self) -> None:
+        self.exchange.shutdown()

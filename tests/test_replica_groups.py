@@ -1,0 +1,169 @@
+"""Replica groups that leave and rejoin (``cluster.fault_tolerance=torchft``, lowcomm.comm.ft):
+every method either runs as replica groups or is refused before anything starts, with its
+reason; an exchange averages over the groups that contribute (a group that has just healed
+contributes nothing) and a heal's bytes are metered on both ends; and through the real launcher,
+a group killed mid-run stops no other, is relaunched, and heals from a live peer at its next
+exchange, after which both groups end on the same model as an uninterrupted run's, nearly."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowcomm.comm.ft import start_lighthouse
+from lowcomm.comm.spawn import spawn_workers
+from lowcomm.config import ConfigError, validate
+from lowcomm.config.compose import compose
+from lowcomm.launch.local import launch_local
+from lowcomm.models import build_model
+from lowcomm.rundir import RunDir
+from lowcomm.strategies import STRATEGIES
+from lowcomm.train.metrics import read_metrics
+from lowcomm.train.replicas import replica_run_dir
+from runs import SMALL_SYNTHETIC, TINY, worker_pids
+
+TORCHFT = ["cluster.fault_tolerance=torchft"]
+
+
+# ------------------------------------------------------------------ before anything starts
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_starts(name, tmp_path):
+    strategy = STRATEGIES[name]
+    # dense: a compressed exchange is refused (below); MuLoCo's error feedback needs a codec
+    dense = ["optimizer.error_feedback=null"] if "error_feedback" in strategy.Config.__dataclass_fields__ else []
+    cfg = compose([*TINY, f"run_root={tmp_path}", f"optimizer={name}", "cluster.workers=2", *TORCHFT, *dense])
+    refusal = strategy.replica_groups_refusal
+    if refusal is None:
+        assert validate(cfg).cluster.fault_tolerance == "torchft"
+    else:
+        with pytest.raises(ConfigError) as refused:
+            validate(cfg)
+        assert f"optimizer={name} cannot run under cluster.fault_tolerance=torchft: {refusal}" in refused.value.errors
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["compression=quantize"], "dense exchange only (compression=none)"),
+    (["cluster.min_replicas=3"], "cluster.min_replicas (3) is more than the run's replica groups"),
+    (["cluster.fault_tolerance=always"], "cluster.fault_tolerance must be one of: none, torchft"),
+    (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
+    (["cluster=slurm_debug"], "runs under the local launcher"),
+])
+def test_a_replica_group_setting_that_cannot_run_is_refused_naming_it(overrides, error, tmp_path):
+    cfg = compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster.workers=2", *TORCHFT, *overrides])
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    assert any(error in line for line in refused.value.errors), refused.value.errors
+
+
+# ------------------------------------------------------------------ one exchange, two groups
+def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
+    """Group 0 has committed 3 exchanges, group 1 none: at their first quorum together group 1
+    takes group 0's state (a heal), contributes nothing, and both average what group 0 sent."""
+    from lowcomm.comm.ft import ReplicaGroups
+    from lowcomm.comm.meter import CommMeter
+
+    meter = CommMeter()
+    groups = ReplicaGroups(rank, world, lighthouse=lighthouse, min_replicas=2, meter=meter,
+                           timeout=datetime.timedelta(seconds=60))
+    state = {"w": torch.full((1000,), 10.0 + rank)}
+    groups.serve_state(lambda: {"w": state["w"]}, lambda sent: state["w"].copy_(sent["w"]))
+    groups.load_state_dict({"torchft": {"step": 3 if rank == 0 else 0, "batches_committed": 0}})
+    groups.begin_exchange()
+    sent = torch.full((1000,), 4.0) if rank == 0 else state["w"] - 10.0  # the healed group's delta: 0
+    groups.all_reduce(sent, op="avg")
+    committed = groups.commit()
+    result = {"w": float(state["w"][0]), "mean": float(sent[0]), "committed": committed, "live": groups.world_size,
+              "contributors": groups.contributors, "events": groups.take_events(), "bytes": meter.breakdown()}
+    groups.shutdown()
+    return result
+
+
+@pytest.mark.slow
+def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_metered_on_both_ends():
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
+    try:
+        ahead, healed = spawn_workers(_exchange_after_a_heal, 2, lighthouse.address(), timeout_s=120)
+    finally:
+        lighthouse.shutdown()
+    assert healed["w"] == ahead["w"] == 10.0  # group 1 took group 0's state
+    assert ahead["live"] == healed["live"] == 2 and ahead["contributors"] == healed["contributors"] == 1
+    assert ahead["mean"] == healed["mean"] == 4.0  # 4 / 1 contributor, not / 2 groups
+    assert ahead["committed"] and healed["committed"]
+    assert [event["event"] for event in healed["events"]] == ["heal"] and healed["events"][0]["bytes"] == 4000
+    assert ahead["events"] == []
+    # the heal: 1,000 fp32 values from group 0 to group 1, one way; the exchange: a ring of two
+    sent, received = ahead["bytes"]["heal/world/heal"], healed["bytes"]["heal/world/heal"]
+    assert (sent["tx"], sent["rx"], received["tx"], received["rx"]) == (4000, 0, 0, 4000)
+    for side in (ahead, healed):
+        data = side["bytes"]["data/world/all_reduce"]
+        assert (data["payload"], data["tx"], data["rx"]) == (4000, 4000, 4000)  # 2 (W-1)/W x 4,000 at W=2
+
+
+# ------------------------------------------------------------------ a run that loses a group
+RUN = [*TINY, *SMALL_SYNTHETIC, "optimizer=diloco", "optimizer.sync_every=5", "cluster.workers=2", *TORCHFT,
+       "train.max_steps=120", "train.checkpoint_every=20", "train.eval_every=40"]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def _steps_trained(run_dir: Path) -> int:
+    steps = [record["step"] for record in _records(run_dir) if "train/loss" in record] if \
+        (run_dir / "metrics.jsonl").is_file() else []
+    return max(steps, default=0)
+
+
+@pytest.mark.slow
+def test_a_killed_group_stops_no_other_is_relaunched_and_heals_from_a_live_peer(tmp_path):
+    uninterrupted = validate(compose([*RUN, f"run_root={tmp_path / 'uninterrupted'}"]))
+    launch_local(uninterrupted)
+
+    run = validate(compose([*RUN, f"run_root={tmp_path / 'churn'}"]))
+    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.train", *RUN, f"run_root={tmp_path / 'churn'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group0, group1 = replica_run_dir(run.run_dir, 0), replica_run_dir(run.run_dir, 1)
+    deadline = time.monotonic() + 240
+    while _steps_trained(group1) < 30 or len(worker_pids(run.run_dir)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    pids = worker_pids(run.run_dir)
+    killed_at = _steps_trained(group1)
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+
+    assert proc.returncode == 0, out + err
+    assert "[lowcomm] replica group 1 left (killed by SIGKILL); starting it again to rejoin" in out
+    # group 0 was never stopped: one start, and a record of every step in order
+    assert out.count(f"[lowcomm] {run.run_name}: starting") == 1
+    steps0 = [record["step"] for record in _records(group0) if "train/loss" in record]
+    assert steps0 == list(range(1, 121))
+    # group 1 resumed from its own checkpoint, then took group 0's state at its next exchange
+    assert f"[lowcomm] {run.run_name}-replica1: resuming from step_" in out
+    heals = [record for record in _records(group1) if record.get("event") == "heal"]
+    assert len(heals) == 1 and heals[0]["step"] > killed_at, heals
+    assert f"rejoined and healed from a live peer at step {heals[0]['step']}" in out
+    # the heal's bytes, on both ends: the outer state of DiLoCo at a boundary (global copy, outer
+    # momentum, AdamW's two moments: 4 x the parameters in fp32, and AdamW's step, a 4-byte
+    # tensor per parameter tensor); the model's own parameters are the global copy there
+    summary0, summary1 = RunDir(group0).read_summary(), RunDir(group1).read_summary()
+    tensors = len(list(build_model(run.model, "meta").parameters()))
+    expected = 4 * 4 * summary0["parameters"] + 4 * tensors
+    assert heals[0]["bytes"] == expected
+    assert summary0["heal_tx_MB"] * 1e6 == pytest.approx(expected, abs=1) and summary0["heal_rx_MB"] == 0
+    assert summary1["heal_rx_MB"] * 1e6 == pytest.approx(expected, abs=1) and summary1["heal_tx_MB"] == 0
+    # both groups end on the same global model; near the uninterrupted run's (group 1's data
+    # between its last checkpoint and the heal was not averaged in)
+    final = RunDir(uninterrupted.run_dir).read_summary()["final_val_loss"]
+    assert summary0["final_val_loss"] == summary1["final_val_loss"]
+    assert summary0["final_val_loss"] == pytest.approx(final, abs=0.1)
+    assert json.loads((Path(run.run_dir) / "torchft.json").read_text())["replica_groups"] == 2
