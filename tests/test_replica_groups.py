@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
@@ -25,6 +26,8 @@ from lowcomm.config import ConfigError, validate
 from lowcomm.config.compose import compose
 from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
+from lowcomm.report.figures import mark_membership, plot_loss_curves
+from lowcomm.report.runs import load_run
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.metrics import read_metrics
@@ -167,3 +170,16 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_heals_from_a_live_peer(
     assert summary0["final_val_loss"] == summary1["final_val_loss"]
     assert summary0["final_val_loss"] == pytest.approx(final, abs=0.1)
     assert json.loads((Path(run.run_dir) / "torchft.json").read_text())["replica_groups"] == 2
+    # each group's directory is a run directory the reports read; the heal is marked on its curves
+    records = [load_run(group0), load_run(group1)]
+    assert records[1].membership_changes() == [(heals[0]["step"], "heal")]
+    written = plot_loss_curves(records, tmp_path / "figures", formats=("png",))
+    assert sorted(path.name for path in written) == ["loss_vs_cum_MB.png", "loss_vs_step.png"]
+
+
+def test_a_membership_change_is_a_dotted_vertical_named_at_the_foot_of_the_axes():
+    fig, ax = plt.subplots()
+    mark_membership(ax, [30.0, 55.0], ["heal", "membership"], "C0")
+    assert [line.get_xdata()[0] for line in ax.lines] == [30.0, 55.0]
+    assert [text.get_text() for text in ax.texts] == ["healed", "groups changed"]
+    plt.close(fig)

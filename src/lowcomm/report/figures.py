@@ -258,6 +258,11 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
             style = {"marker": FAMILY_MARKERS.get(run.optimizer, "."), "markevery": max(len(x) // 6, 1), "ms": 5,
                      "color": colors[id(run)], "fillstyle": fills[id(run)]}
             ax.plot(x, y, lw=1.4, label=f"{label}{ALL_BYTES if split else ''}", **style)
+            changes = run.membership_changes()
+            if changes:
+                at = [step for step, _ in changes]
+                mark_membership(ax, at if stem == "loss_vs_step" else run.cumulative_mb_at(at),
+                                [event for _, event in changes], colors[id(run)])
             if split:
                 _inter_node_curve(ax, run.cumulative_mb_at(steps, inter_node=True), x, y, label, style)
         _loss_axis(ax, quantity + (f" (EMA {smoothing:g})" if smoothing else ""), floor, plotted)
@@ -272,6 +277,18 @@ def plot_loss_curves(runs: list[RunRecord], out_dir: Path, *, key: str = "train/
         _legend_outside(ax)
         written += _save(fig, out_dir, prefix + stem, formats)
     return written
+
+
+MEMBERSHIP_MARKS = {"heal": "healed", "membership": "groups changed", "exchange_dropped": "exchange dropped"}
+
+
+def mark_membership(ax, xs: list[float], events: list[str], color) -> None:
+    """A run of replica groups' changes (a heal, a quorum that shrank or grew, a dropped
+    exchange) as dotted verticals in the run's colour, each named at the foot of the axes."""
+    for x, event in zip(xs, events, strict=True):
+        ax.axvline(x, color=color, ls=":", lw=1.0, alpha=0.8)
+        ax.annotate(MEMBERSHIP_MARKS[event], (x, 0.02), xycoords=("data", "axes fraction"), rotation=90,
+                    fontsize=7, color=color, ha="right", va="bottom")
 
 
 def _splits(run: RunRecord) -> bool:

@@ -22,6 +22,10 @@ from lowcomm.rundir import RunDir
 __all__ = ["OPTIMIZER_NAMES", "RunRecord", "distinct_labels", "find_runs", "load_run"]
 
 
+# The events of a run of replica groups that leave and rejoin (marked on its loss curves).
+MEMBERSHIP_EVENTS = ("heal", "membership", "exchange_dropped")
+
+
 @dataclass
 class RunRecord:
     """Everything one run directory holds, read once."""
@@ -141,6 +145,11 @@ class RunRecord:
             return float(self.summary[summary_key])
         steps, cumulative = self.series(cumulative_key)
         return cumulative[-1] / steps[-1] if steps and steps[-1] > 0 else None
+
+    def membership_changes(self) -> list[tuple[int, str]]:
+        """``(step, event)`` of every change a replica group recorded (lowcomm.comm.ft): a heal
+        from a live peer, a quorum that shrank or grew, an exchange every group dropped."""
+        return [(r["step"], r["event"]) for r in self.metrics if r.get("event") in MEMBERSHIP_EVENTS]
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` of every logged ``key``, by step; a step logged twice keeps its

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch
 
 from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups
 from lowcomm.comm.meter import CommMeter
+from lowcomm.rundir import RunDir
 
 if TYPE_CHECKING:
     from lowcomm.config import RunConfig
@@ -46,6 +48,12 @@ class ReplicaGroup:
                                "(lowcomm's launcher starts one per job and sets it)")
         self.replica, self.replicas = env.rank, env.world_size
         self.run_dir = replica_run_dir(run.run_dir, self.replica)
+        if self.replica:  # a run directory of its own, which the reports can read as one
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            config = RunDir(run.run_dir).config
+            copy = RunDir(self.run_dir).config
+            shutil.copyfile(config, copy.with_suffix(".tmp"))
+            os.replace(copy.with_suffix(".tmp"), copy)
         timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
         self.exchange = ReplicaGroups(self.replica, self.replicas, lighthouse=lighthouse,
                                       min_replicas=run.cluster.min_replicas, meter=meter, device=device,
