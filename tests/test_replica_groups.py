@@ -67,10 +67,39 @@ def test_a_replica_group_setting_that_cannot_run_is_refused_naming_it(overrides,
     assert any(error in line for line in refused.value.errors), refused.value.errors
 
 
+# ------------------------------------------------------------------ nobody lost: the plain run
+RUNNABLE = sorted(name for name, strategy in STRATEGIES.items() if strategy.replica_groups_refusal is None)
+
+
+def _dense(name: str) -> list[str]:
+    """A method's config as replica groups run it: its exchange dense (MuLoCo's error feedback
+    needs a codec), and the DiLoCo family synchronising every 3 steps (a 6-step run ends on one)."""
+    strategy = STRATEGIES[name]
+    fields = strategy.Config.__dataclass_fields__
+    return [*(["optimizer.error_feedback=null"] if "error_feedback" in fields else []),
+            *(["optimizer.sync_every=3"] if "sync_every" in fields else [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, tmp_path, trained_run):
+    plain = trained_run(f"optimizer={name}", *_dense(name))
+    groups = validate(compose([*TINY, *SMALL_SYNTHETIC, f"run_root={tmp_path}", "cluster.workers=2",
+                               "train.max_steps=6", f"optimizer={name}", *_dense(name), *TORCHFT]))
+    launch_local(groups)
+    expected = RunDir(plain.run_dir).read_summary()
+    for replica in (0, 1):  # every group ends on the model the plain run ends on
+        summary = RunDir(replica_run_dir(groups.run_dir, replica)).read_summary()
+        assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
+        assert summary["payload_MB_per_step"] == pytest.approx(expected["payload_MB_per_step"])
+        assert summary["world_size"] == 2 and summary["heal_rx_MB"] == summary["heal_tx_MB"] == 0
+
+
 # ------------------------------------------------------------------ one exchange, two groups
 def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
     """Group 0 has committed 3 exchanges, group 1 none: at their first quorum together group 1
-    takes group 0's state (a heal), contributes nothing, and both average what group 0 sent."""
+    takes group 0's state (a heal), contributes nothing (what it offers is sent as zeros), and
+    both average what group 0 sent over the one group that contributed."""
     from lowcomm.comm.ft import ReplicaGroups
     from lowcomm.comm.meter import CommMeter
 
@@ -81,7 +110,8 @@ def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
     groups.serve_state(lambda: {"w": state["w"]}, lambda sent: state["w"].copy_(sent["w"]))
     groups.load_state_dict({"torchft": {"step": 3 if rank == 0 else 0, "batches_committed": 0}})
     groups.begin_exchange()
-    sent = torch.full((1000,), 4.0) if rank == 0 else state["w"] - 10.0  # the healed group's delta: 0
+    # the healed group's tensor was computed before its heal: it is sent as zeros
+    sent = torch.full((1000,), 4.0 if rank == 0 else 7.0)
     groups.all_reduce(sent, op="avg")
     committed = groups.commit()
     result = {"w": float(state["w"][0]), "mean": float(sent[0]), "committed": committed, "live": groups.world_size,
@@ -99,7 +129,7 @@ def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_mete
         lighthouse.shutdown()
     assert healed["w"] == ahead["w"] == 10.0  # group 1 took group 0's state
     assert ahead["live"] == healed["live"] == 2 and ahead["contributors"] == healed["contributors"] == 1
-    assert ahead["mean"] == healed["mean"] == 4.0  # 4 / 1 contributor, not / 2 groups
+    assert ahead["mean"] == healed["mean"] == 4.0  # (4 + 0) / 1 contributor: not 7 in it, nor / 2 groups
     assert ahead["committed"] and healed["committed"]
     assert [event["event"] for event in healed["events"]] == ["heal"] and healed["events"][0]["bytes"] == 4000
     assert ahead["events"] == []

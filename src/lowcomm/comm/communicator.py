@@ -145,6 +145,9 @@ class Communicator:
             gloo), so it is passed explicitly; None leaves torch's default.
     """
 
+    # a fixed world; :class:`lowcomm.comm.ft.ReplicaGroups`: groups that may leave and rejoin
+    replica_groups = False
+
     def __init__(
         self,
         group=None,

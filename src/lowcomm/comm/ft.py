@@ -89,7 +89,7 @@ def metered_transport(meter: CommMeter, timeout: datetime.timedelta):
 def _refused(collective: str):
     def refused(self, *args, **kwargs):  # noqa: ARG001 - any collective's signature
         raise NotImplementedError(f"{collective} between replica groups (cluster.fault_tolerance=torchft): only the "
-                                  "DiLoCo family's dense all-reduce runs there")
+                                  "dense all-reduce runs there")
     return refused
 
 
@@ -111,7 +111,8 @@ class ReplicaGroups(Communicator):
     ``world_size`` is the number of groups in the current quorum (``replicas`` when all are
     alive), ``rank`` this group's index. Only what the DiLoCo family's dense exchange needs is
     offered: an averaging (or summing) all-reduce between :meth:`begin_exchange` and
-    :meth:`commit`; any other collective raises, naming itself.
+    :meth:`commit` (the DiLoCo family's outer step, the DDP methods' gradients); any other
+    collective raises, naming itself.
 
     Args:
         replica / replicas: this group's index, and the number of groups the run has.
@@ -121,14 +122,12 @@ class ReplicaGroups(Communicator):
         timeout: a collective's or a heal's wait; ``quorum_timeout``: a quorum's.
     """
 
+    replica_groups = True
+
     def __init__(self, replica: int, replicas: int, *, lighthouse: str, min_replicas: int, meter: CommMeter,
                  device: torch.device | str = "cpu", timeout: datetime.timedelta = datetime.timedelta(seconds=60),
                  quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=300), run_id: str = "lowcomm"):
         quiet_torchft()
-        from torch.distributed import TCPStore
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         self.group = self.control_group = None
         self.meter, self.scope, self.timeout = meter, "world", timeout
         self.device = torch.device(device)
@@ -137,19 +136,45 @@ class ReplicaGroups(Communicator):
         self.rank = self.global_rank = replica
         self.replicas = self.world_size = replicas
         self.contributors = replicas
+        self.contributing = True  # False in the exchange right after a heal: this group sends zeros
         self.events: list[dict] = []
         self.healed_state: dict | None = None  # what the last heal loaded, until the loop takes it
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
         self._members: int | None = None
-        # the group's own store (a group of one rank here; the ranks of a node on a cluster)
-        self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state, state_dict=self._state,
-            min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="localhost", store_port=self._store.port,
-            lighthouse_addr=lighthouse, replica_id=f"{run_id}_replica{replica}", hostname=socket.gethostname(),
-            checkpoint_transport=metered_transport(meter, timeout), init_sync=False)
+        self._committed = {"step": 0, "batches_committed": 0}  # torchft's count, until its Manager exists
+        self._manager_args = dict(min_replica_size=min_replicas, timeout=timeout, quorum_timeout=quorum_timeout,
+                                  lighthouse_addr=lighthouse, replica_id=f"{run_id}_replica{replica}")
+        self._manager = None
+
+    def join(self) -> None:
+        """Become a member the lighthouse waits for (torchft's Manager starts its heartbeat): once
+        this group is ready to train, so that a group restarting (importing, loading its
+        checkpoint) holds up no quorum of the others meanwhile, and groups starting together meet
+        at their first exchange (a quorum waits ``join_timeout_s`` for the members it knows)."""
+        _ = self.manager
+
+    @property
+    def manager(self):
+        """The group's torchft Manager, made when it joins (:meth:`join`; at the latest, its
+        first exchange)."""
+        if self._manager is None:
+            from torch.distributed import TCPStore
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+
+            args, timeout = self._manager_args, self._manager_args["timeout"]
+            # the group's own store (a group of one rank here; the ranks of a node on a cluster),
+            # by its host's name: the groups of a quorum meet at its primary's store
+            host = socket.gethostname()
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self._manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state, state_dict=self._state,
+                use_async_quorum=False, connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
+                store_port=self._store.port, hostname=host, checkpoint_transport=metered_transport(self.meter, timeout),
+                init_sync=False, **args)
+            self._manager.load_state_dict(self._committed)
+        return self._manager
 
     def __repr__(self) -> str:
         return f"ReplicaGroups(replica={self.rank}, live={self.world_size}/{self.replicas})"
@@ -183,6 +208,7 @@ class ReplicaGroups(Communicator):
         self._record("all_reduce", nbytes(flag), ring_all_reduce_traffic(nbytes(flag), self.world_size), "control")
         self._issue(flag, "sum").wait()
         self.contributors = int(round(float(flag[0])))
+        self.contributing = not healed
         step = self.manager.current_step()
         if self._members is not None and self.world_size != self._members:
             self.events.append({"event": "membership", "exchange": step, "groups": self.world_size,
@@ -204,11 +230,13 @@ class ReplicaGroups(Communicator):
     def state_dict(self) -> dict:
         """The exchanges this group has committed (torchft's step): a group that resumes from an
         older checkpoint than its peers' is then behind them, and heals at its first exchange."""
-        return {"torchft": self.manager.state_dict()}
+        return {"torchft": self._manager.state_dict() if self._manager is not None else dict(self._committed)}
 
     def load_state_dict(self, state: dict) -> None:
         if "torchft" in state:
-            self.manager.load_state_dict(state["torchft"])
+            self._committed = dict(state["torchft"])
+            if self._manager is not None:
+                self._manager.load_state_dict(self._committed)
 
     def take_events(self) -> list[dict]:
         events, self.events = self.events, []
@@ -223,6 +251,8 @@ class ReplicaGroups(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
         """Sum over the live groups; ``op="avg"`` divides by the groups that contributed."""
         self._route("all_reduce", purpose, tensor)
+        if not self.contributing and purpose == "data":
+            tensor.zero_()  # what this group computed before its heal belongs to no one's step
         payload = nbytes(tensor)
         self._record("all_reduce", payload, ring_all_reduce_traffic(payload, self.world_size), purpose)
         if self.world_size <= 1:
@@ -247,7 +277,8 @@ class ReplicaGroups(Communicator):
     split = _refused("split")
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
 
 
 def _unsupported(op: str):

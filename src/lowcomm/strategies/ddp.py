@@ -11,6 +11,7 @@ the first backward (one int per parameter). It is not gradient traffic and does 
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at runtime.
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -79,8 +80,9 @@ class DDPStrategy(Strategy):
     (``make_optimizer``) and may replace the hook (``register_hook``)."""
 
     cfg: DDPConfig
-    replica_groups_refusal = (
-        "its gradients are all-reduced by torch's DistributedDataParallel over the world's process group, which cannot lose a member (torchft's own DDP wrapper would be the way; not built)")
+    # between replica groups that may leave and rejoin the gradients are averaged once per step,
+    # after the backward, by ExchangedGradients: DDP cannot run over a group whose members change
+    replica_groups_refusal = None
 
     @classmethod
     def comm_overlap(cls, cfg: DDPConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
@@ -94,6 +96,10 @@ class DDPStrategy(Strategy):
         return 2 / 3 * (buckets - 1) / buckets
 
     def build(self, model: torch.nn.Module):
+        if self.comm.replica_groups:
+            self.exchanged = ExchangedGradients(self.make_optimizer(model), self.comm,
+                                                WIRE_DTYPES[self.cfg.wire_dtype])
+            return model, self.exchanged
         device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_cap_mb, init_sync=False,
@@ -110,8 +116,62 @@ class DDPStrategy(Strategy):
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         raise NotImplementedError
 
-    def no_sync(self, model: DistributedDataParallel):
-        return model.no_sync()
+    def no_sync(self, model: torch.nn.Module):
+        # (between replica groups no DDP: gradients accumulate locally until the step's exchange)
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the averaged gradients, as under DDP: between replica groups they are averaged
+        here first (the step that follows does not average them again)."""
+        if self.comm.replica_groups:
+            self.exchanged.exchange()
+        return super().clip_grad_norm(model, max_norm)
+
+
+class ExchangedGradients(torch.optim.Optimizer):
+    """Data parallelism between replica groups that may leave and rejoin (lowcomm.comm.ft): at
+    each step, before the clip or the update, whichever comes first, the quorum of the groups
+    alive forms (a group behind takes a live peer's model and optimizer state there), every
+    gradient is averaged over the groups that contribute in one metered all-reduce in
+    ``wire_dtype``, and ``inner`` steps only where every group in the quorum finished the
+    exchange. Its state is ``inner``'s."""
+
+    def __init__(self, inner: torch.optim.Optimizer, comm: Communicator, wire_dtype: torch.dtype):
+        self.inner, self.comm, self.wire_dtype = inner, comm, wire_dtype
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups  # the LR schedule drives the inner lr
+        self.state = inner.state
+        self._committed: bool | None = None  # this step's exchange, once done
+
+    @torch.no_grad()
+    def exchange(self) -> bool:
+        """Average this step's gradients over the groups (once a step); whether to apply them."""
+        if self._committed is None:
+            self.comm.begin_exchange()
+            params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.wire_dtype)
+            self.comm.all_reduce(flat, op="avg")
+            offset = 0
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+            self._committed = self.comm.commit()
+        return self._committed
+
+    def step(self, closure=None):
+        committed, self._committed = self.exchange(), None
+        return self.inner.step(closure) if committed else None  # dropped: every group skips it
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
 
 def dense_gradient_bytes(model: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> int:

@@ -66,6 +66,9 @@ class PowerSGD(DDPStrategy):
     """
 
     name = "powersgd"
+    replica_groups_refusal = (
+        "its comm hook's low-rank exchange and per-worker error feedback run inside DDP's backward over the "
+        "world's process group; a rejoining worker's error feedback has no peer copy")
     Config = PowerSGDConfig
     display = Display("PowerSGD", marker="P", color="C2")
     quickstart = (Point("PowerSGD r=8", "optimizer.lr=3e-3", "optimizer.matrix_approximation_rank=8",

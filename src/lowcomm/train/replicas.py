@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,7 +48,8 @@ class ReplicaGroup:
         if not lighthouse:
             raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse address in ${LIGHTHOUSE_ENV} "
                                "(lowcomm's launcher starts one per job and sets it)")
-        self.replica, self.replicas = env.rank, env.world_size
+        self.replica, self.replicas, self.lighthouse = env.rank, env.world_size, lighthouse
+        self.shared_dir = Path(run.run_dir)  # the run's, where the groups of a launch meet
         self.run_dir = replica_run_dir(run.run_dir, self.replica)
         if self.replica:  # a run directory of its own, which the reports can read as one
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,21 @@ class ReplicaGroup:
             self._healed_to = int(state[HEALED_STEP])
 
         self.exchange.serve_state(save, load)
+
+    def join(self, timeout_s: float) -> None:
+        """Ready to train: wait (at most ``timeout_s``) until every group of this launch is, then
+        become a member the lighthouse waits for. Without the wait a group that starts seconds
+        later than the others (imports on shared cores) would find their first exchanges made
+        without it, and heal at once. The groups meet by files under the run directory, per
+        launch (its lighthouse); a group started again in the same launch finds them all."""
+        launch = re.sub(r"[^A-Za-z0-9]+", "_", self.lighthouse).strip("_")
+        here = self.shared_dir / "replicas" / ".ready" / launch
+        here.mkdir(parents=True, exist_ok=True)
+        (here / str(self.replica)).touch()
+        deadline = time.monotonic() + timeout_s
+        while len(list(here.iterdir())) < self.replicas and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.exchange.join()
 
     def take_heal(self) -> int | None:
         """The step this group continues from after a heal in the step just ended, else None."""
