@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,7 +75,7 @@ class Trial:
 def _overrides(args: argparse.Namespace, path: str) -> list[str]:
     steps, torchft = args.steps, path != "requeue"
     return ["experiment=quickstart", "wandb.mode=disabled", f"cluster.workers={args.nodes}", f"optimizer={args.method}",
-            *STRATEGIES[args.method].quickstart[0].overrides, *args.dense, f"train.max_steps={steps}",
+            *args.point, *args.dense, f"train.max_steps={steps}",
             f"train.warmup_steps={max(1, steps // 10)}", f"train.checkpoint_every={args.checkpoint_every}",
             "train.log_every=1", f"train.eval_every={args.eval_every}", "cluster.collective_timeout_s=10",
             f"cluster.threads_per_worker={max(1, (os.cpu_count() or 1) // args.nodes)}",
@@ -148,7 +149,31 @@ def _run(path: Trial, args: argparse.Namespace, lighthouse: str, *, kill_at: int
     log = [logs / f"{path.name.replace(' ', '_')}-node{rank}.log" for rank in range(args.nodes)]
     victim = args.kill_node
     path.started = time.perf_counter()
-    procs = [_start(node, rank, args, config, lighthouse, log[rank]) for rank, node in enumerate(args.network)]
+    started: list[subprocess.Popen] = []  # every worker this run started, stopped on the way out
+
+    def start(rank: int) -> subprocess.Popen:
+        started.append(_start(args.network[rank], rank, args, config, lighthouse, log[rank]))
+        return started[-1]
+
+    try:
+        _supervise(path, args, groups, start, torchft, kill_at, back_after_s)
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    path.wall_s = time.perf_counter() - path.started
+    _watch(path, groups[0])
+    path.notes["received_at_end"] = _received(args.network[victim])
+    path.notes["summaries"] = [RunDir(group).read_summary() for group in groups]
+    path.notes["metrics"] = [read_metrics(group / "metrics.jsonl") for group in groups]
+
+
+def _supervise(path: Trial, args: argparse.Namespace, groups: list[Path], start, torchft: bool,
+               kill_at: int | None, back_after_s: float | None) -> None:
+    """Start the nodes' workers, kill and restart as :func:`_run` says, until every worker ends."""
+    victim = args.kill_node
+    procs = [start(rank) for rank in range(args.nodes)]
     killed_at_s = relaunched = None
     survivors_stopped = False
     while True:
@@ -163,13 +188,12 @@ def _run(path: Trial, args: argparse.Namespace, lighthouse: str, *, kill_at: int
         if killed_at_s is not None and not relaunched:
             if torchft and _last_step(groups[0 if victim else 1]) >= args.rejoin_at_step:
                 path.notes["received_at_restart"] = _received(args.network[victim])
-                procs[victim] = _start(args.network[victim], victim, args, config, lighthouse, log[victim])
+                procs[victim] = start(victim)
                 relaunched, path.notes["restarted_at_s"] = True, now
                 path.notes["down_s"] = now - killed_at_s
             elif not torchft and all(p.poll() is not None for p in procs) and now - killed_at_s >= back_after_s:
                 survivors_stopped = True
-                procs = [_start(node, rank, args, config, lighthouse, log[rank])
-                         for rank, node in enumerate(args.network)]
+                procs = [start(rank) for rank in range(args.nodes)]
                 relaunched, path.notes["restarted_at_s"] = True, now
         if torchft and any(p.poll() not in (None, 0) for i, p in enumerate(procs) if i != victim or relaunched):
             survivors_stopped = True
@@ -179,15 +203,11 @@ def _run(path: Trial, args: argparse.Namespace, lighthouse: str, *, kill_at: int
         time.sleep(POLL_S)
     for p in procs:
         p.wait()
-    path.wall_s = time.perf_counter() - path.started
-    _watch(path, groups[0])
-    failed = [str(log[rank]) for rank, p in enumerate(procs) if p.returncode != 0]
+    failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"{path.name}: a worker failed; see {', '.join(failed)}")
+        logs = args.work / "logs"
+        raise RuntimeError(f"{path.name}: worker {failed[0]} failed; see {logs}")
     path.notes["survivors_stopped"] = survivors_stopped
-    path.notes["received_at_end"] = _received(args.network[victim])
-    path.notes["summaries"] = [RunDir(group).read_summary() for group in groups]
-    path.notes["metrics"] = [read_metrics(group / "metrics.jsonl") for group in groups]
 
 
 def _framing(uninterrupted: Trial, victim: int, received: int) -> float:
@@ -235,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("needs root (ip netns add)")
+    # SIGTERM (timeout, kill) leaves as Ctrl-C does: the workers stopped, the namespaces deleted
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if args.nodes < 2:
         parser.error(f"--nodes must be at least 2, got {args.nodes}")
     args.kill_node = args.nodes - 1 if args.kill_node is None else args.kill_node
@@ -243,14 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.kill_at_step < args.rejoin_at_step < args.steps:
         parser.error("needs 0 < --kill-at-step < --rejoin-at-step < --steps")
     args.eval_every = max(1, args.steps // 15)
-    args.dense = ["optimizer.error_feedback=null"] if "error_feedback" in \
-        STRATEGIES[args.method].Config.__dataclass_fields__ else []
+    # the exchange replica groups run: dense (MuLoCo's quickstart point quantizes; its error
+    # feedback needs a codec)
+    point = STRATEGIES[args.method].quickstart[0]
+    args.point = [o for o in point.overrides if not o.startswith("compression")]
+    args.label = point.label if args.point == list(point.overrides) else \
+        f"{STRATEGIES[args.method].display.name} (its quickstart settings, dense)"
+    args.dense = ["compression=none", *(["optimizer.error_feedback=null"] if "error_feedback" in
+                                         STRATEGIES[args.method].Config.__dataclass_fields__ else [])]
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work / args.method
 
     paths = {name: Trial(name) for name in PATHS}
     with node_network(args.nodes, prefix="lcchurn", login=True) as network:
         args.network = network
+        args.namespaces = [node.namespace for node in network]
         lighthouse_server = start_lighthouse(max(1, args.nodes - 1), join_timeout_s=args.join_timeout,
                                              heartbeat_timeout_s=args.heartbeat_timeout)
         port = lighthouse_server.address().rsplit(":", 1)[1]
@@ -282,7 +311,7 @@ def _result(paths: dict[str, Trial], args: argparse.Namespace, framing: float) -
     heals = [r for r in ft.notes["metrics"][victim] if r.get("event") == "heal"]
     summaries = ft.notes["summaries"]
     return {
-        "method": args.method, "nodes": args.nodes, "kill_node": victim, "killed_at_step": ft.notes["killed_at_step"],
+        "method": args.method, "nodes": args.nodes, "namespaces": args.namespaces, "kill_node": victim, "killed_at_step": ft.notes["killed_at_step"],
         "rejoin_requested_at_step": args.rejoin_at_step, "steps": args.steps,
         "survivors_stopped": ft.notes["survivors_stopped"],
         "rejoined_at_step": heals[0]["step"] if heals else None,
@@ -302,7 +331,7 @@ def _result(paths: dict[str, Trial], args: argparse.Namespace, framing: float) -
 
 
 def _table(paths: dict[str, Trial], result: dict, args: argparse.Namespace) -> str:
-    lines = [f"{args.nodes} nodes x 1 worker, {STRATEGIES[args.method].quickstart[0].label}, {args.steps} steps; "
+    lines = [f"{args.nodes} nodes x 1 worker, {args.label}, {args.steps} steps; "
              f"node {args.kill_node} killed at step {result['killed_at_step']}, back {result['down_s']:.1f} s later",
              "", "| path | wall s | goodput steps/s | final val loss | survivors stopped |", "|---|---:|---:|---:|---|"]
     finals = {"uninterrupted": result["uninterrupted_final_val_loss"], "replica groups": result["final_val_loss"],
@@ -332,7 +361,7 @@ def _plot(paths: dict[str, Trial], args: argparse.Namespace) -> Path:
                     va="top")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("validation loss (group 0's)")
-    ax.set_title(f"{STRATEGIES[args.method].display.name}: a node lost and back, survived vs requeued")
+    ax.set_title(f"{args.label}: a node lost and back, survived vs requeued", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     out = args.out / "loss_vs_time.png"

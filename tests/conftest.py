@@ -246,7 +246,8 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRuns:
 LONGEST_FIRST = (
     "test_readme.py", "test_sweeps.py", "test_wan.py", "test_train.py", "test_lost_peers.py",
     "test_table1_tiny.py", "test_nodes.py", "test_resume.py", "test_block_topk.py", "test_stop_signals.py",
-    "test_nodes_slurm.py", "test_registry.py", "test_exit_lines.py", "test_launch_slurm.py",
+    "test_nodes_slurm.py", "test_registry.py", "test_exit_lines.py", "test_launch_slurm.py", "test_senders.py",
+    "test_replica_groups.py", "test_stragglers.py", "test_churn.py", "test_torchrun.py", "test_streaming_diloco.py",
 )
 
 

@@ -64,7 +64,9 @@ class StreamingDiLoCoConfig(StrategyConfig, AdamWArgs, StreamingDiLoCoArgs):
 class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
     replica_groups_refusal = (
-        "its fragments' all-reduces stay in flight across inner steps; a group lost inside one needs the fragment's own quorum and commit (torchft's Streaming DiLoCo has them; not built here yet)")
+        "a quorum pairs the groups' exchanges by time, and its fragments take turns: a group that rejoins at "
+        "another phase of the schedule would average another fragment, and each fragment's exchange stays in flight "
+        "across inner steps (its quorum and commit would span them); not built")
     Config = StreamingDiLoCoConfig
     display = Display("Streaming DiLoCo", marker=">", color="C9")
     quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",
