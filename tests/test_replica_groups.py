@@ -59,6 +59,7 @@ def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_start
     (["cluster.fault_tolerance=always"], "cluster.fault_tolerance must be one of: none, torchft"),
     (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
     (["cluster=slurm_debug"], "runs under the local launcher"),
+    (["cluster.device=cuda"], "over gloo on the CPU: set cluster.device=cpu"),
 ])
 def test_a_replica_group_setting_that_cannot_run_is_refused_naming_it(overrides, error, tmp_path):
     cfg = compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster.workers=2", *TORCHFT, *overrides])

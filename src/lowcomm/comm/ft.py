@@ -109,10 +109,9 @@ class ReplicaGroups(Communicator):
     """The exchange between replica groups, metered, through a torchft ``Manager``.
 
     ``world_size`` is the number of groups in the current quorum (``replicas`` when all are
-    alive), ``rank`` this group's index. Only what the DiLoCo family's dense exchange needs is
-    offered: an averaging (or summing) all-reduce between :meth:`begin_exchange` and
-    :meth:`commit` (the DiLoCo family's outer step, the DDP methods' gradients); any other
-    collective raises, naming itself.
+    alive), ``rank`` this group's index. One collective is offered, over gloo on the CPU: an
+    averaging (or summing) all-reduce between :meth:`begin_exchange` and :meth:`commit` (the
+    DiLoCo family's outer step, the DDP methods' gradients); any other raises, naming itself.
 
     Args:
         replica / replicas: this group's index, and the number of groups the run has.
@@ -128,6 +127,9 @@ class ReplicaGroups(Communicator):
                  device: torch.device | str = "cpu", timeout: datetime.timedelta = datetime.timedelta(seconds=60),
                  quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=300), run_id: str = "lowcomm"):
         quiet_torchft()
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"replica groups exchange over gloo on the CPU; this worker's device is {device} "
+                               "(set cluster.device=cpu with cluster.fault_tolerance=torchft)")
         self.group = self.control_group = None
         self.meter, self.scope, self.timeout = meter, "world", timeout
         self.device = torch.device(device)

@@ -74,6 +74,9 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     if cluster.launcher != "local":
         errors.append("cluster.fault_tolerance=torchft runs under the local launcher (each worker a replica group); "
                       "across SLURM nodes or torchrun it is not built yet: use cluster=local")
+    elif cluster.device == "cuda":
+        errors.append("cluster.fault_tolerance=torchft exchanges between replica groups over gloo on the CPU: set "
+                      "cluster.device=cpu")
     elif cluster.min_replicas > cluster.workers:
         errors.append(f"cluster.min_replicas ({cluster.min_replicas}) is more than the run's replica groups "
                       f"(cluster.workers={cluster.workers}): no exchange could ever commit")
