@@ -3,7 +3,8 @@ every method either runs as replica groups or is refused before anything starts,
 reason; an exchange averages over the groups that contribute (a group that has just healed
 contributes nothing) and a heal's bytes are metered on both ends; and through the real launcher,
 a group killed mid-run stops no other, is relaunched, and heals from a live peer at its next
-exchange, after which both groups end on the same model as an uninterrupted run's, nearly."""
+exchange (or, where none was made without it, replays its steps to it), after which both groups
+end on one model, near an uninterrupted run's; benchmarks/churn.py's test makes the heal happen."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
 
 # ------------------------------------------------------------------ one exchange, two groups
 def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
-    """Group 0 has committed 3 exchanges, group 1 none: at their first quorum together group 1
+    """Group 0 has trained 30 steps, group 1 10: at their first quorum together group 1
     takes group 0's state (a heal), contributes nothing (what it offers is sent as zeros), and
     both average what group 0 sent over the one group that contributed."""
     from lowcomm.comm.ft import ReplicaGroups
@@ -109,7 +110,7 @@ def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
                            timeout=datetime.timedelta(seconds=60))
     state = {"w": torch.full((1000,), 10.0 + rank)}
     groups.serve_state(lambda: {"w": state["w"]}, lambda sent: state["w"].copy_(sent["w"]))
-    groups.load_state_dict({"torchft": {"step": 3 if rank == 0 else 0, "batches_committed": 0}})
+    groups.progress = 30 if rank == 0 else 10  # the steps each has trained
     groups.begin_exchange()
     # the healed group's tensor was computed before its heal: it is sent as zeros
     sent = torch.full((1000,), 4.0 if rank == 0 else 7.0)
@@ -144,9 +145,7 @@ def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_mete
 
 # ------------------------------------------------------------------ a run that loses a group
 RUN = [*TINY, *SMALL_SYNTHETIC, "optimizer=diloco", "optimizer.sync_every=5", "cluster.workers=2", *TORCHFT,
-       "train.max_steps=120", "train.checkpoint_every=20", "train.eval_every=40"]
-
-
+       "train.max_steps=120", "train.checkpoint_every=10", "train.eval_every=40"]
 def _records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
@@ -158,21 +157,24 @@ def _steps_trained(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_killed_group_stops_no_other_is_relaunched_and_heals_from_a_live_peer(tmp_path):
+def test_a_killed_group_stops_no_other_is_relaunched_and_rejoins_on_the_others_model(tmp_path):
     uninterrupted = validate(compose([*RUN, f"run_root={tmp_path / 'uninterrupted'}"]))
     launch_local(uninterrupted)
 
-    run = validate(compose([*RUN, f"run_root={tmp_path / 'churn'}"]))
-    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.train", *RUN, f"run_root={tmp_path / 'churn'}"],
+    # group 0 computes 3 times slower (cluster.slowdown: it sleeps, its heartbeat goes on), so that
+    # it is still training when group 1 has started again on busy cores (a group whose peers have
+    # all finished goes on alone, on a model of its own)
+    churn = [*RUN, "cluster.slow_ranks=[0]", "cluster.slowdown=3", f"run_root={tmp_path / 'churn'}"]
+    run = validate(compose(churn))
+    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.train", *churn],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     group0, group1 = replica_run_dir(run.run_dir, 0), replica_run_dir(run.run_dir, 1)
     deadline = time.monotonic() + 240
-    while _steps_trained(group1) < 30 or len(worker_pids(run.run_dir)) < 2:
+    while _steps_trained(group1) < 12 or len(worker_pids(run.run_dir)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    pids = worker_pids(run.run_dir)
     killed_at = _steps_trained(group1)
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(worker_pids(run.run_dir)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
 
     assert proc.returncode == 0, out + err
@@ -181,18 +183,22 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_heals_from_a_live_peer(
     assert out.count(f"[lowcomm] {run.run_name}: starting") == 1
     steps0 = [record["step"] for record in _records(group0) if "train/loss" in record]
     assert steps0 == list(range(1, 121))
-    # group 1 resumed from its own checkpoint, then took group 0's state at its next exchange
+    # group 1 resumed from its own checkpoint. Where group 0 committed an exchange without it
+    # (its restart outlasted group 0's wait for its heartbeat), it took group 0's state at its
+    # next exchange; else it replayed its steps to the same exchange (benchmarks/churn.py, which
+    # holds the restart back, heals every time: tests/test_churn.py)
     assert f"[lowcomm] {run.run_name}-replica1: resuming from step_" in out
     heals = [record for record in _records(group1) if record.get("event") == "heal"]
-    assert len(heals) == 1 and heals[0]["step"] > killed_at, heals
-    assert f"rejoined and healed from a live peer at step {heals[0]['step']}" in out
-    # the heal's bytes, on both ends: the outer state of DiLoCo at a boundary (global copy, outer
+    for heal in heals:
+        assert heal["step"] > killed_at and f"rejoined and healed from a live peer at step {heal['step']}" in out
+    # a heal's bytes, on both ends: the outer state of DiLoCo at a boundary (global copy, outer
     # momentum, AdamW's two moments: 4 x the parameters in fp32, and AdamW's step, a 4-byte
     # tensor per parameter tensor); the model's own parameters are the global copy there
     summary0, summary1 = RunDir(group0).read_summary(), RunDir(group1).read_summary()
     tensors = len(list(build_model(run.model, "meta").parameters()))
-    expected = 4 * 4 * summary0["parameters"] + 4 * tensors
-    assert heals[0]["bytes"] == expected
+    per_heal = 4 * 4 * summary0["parameters"] + 4 * tensors
+    assert all(heal["bytes"] == per_heal for heal in heals)
+    expected = per_heal * len(heals)
     assert summary0["heal_tx_MB"] * 1e6 == pytest.approx(expected, abs=1) and summary0["heal_rx_MB"] == 0
     assert summary1["heal_rx_MB"] * 1e6 == pytest.approx(expected, abs=1) and summary1["heal_tx_MB"] == 0
     # both groups end on the same global model; near the uninterrupted run's (group 1's data
@@ -201,9 +207,10 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_heals_from_a_live_peer(
     assert summary0["final_val_loss"] == summary1["final_val_loss"]
     assert summary0["final_val_loss"] == pytest.approx(final, abs=0.1)
     assert json.loads((Path(run.run_dir) / "torchft.json").read_text())["replica_groups"] == 2
-    # each group's directory is a run directory the reports read; the heal is marked on its curves
+    # each group's directory is a run directory the reports read; a heal is marked on its curves
     records = [load_run(group0), load_run(group1)]
-    assert records[1].membership_changes() == [(heals[0]["step"], "heal")]
+    marked = [(step, event) for step, event in records[1].membership_changes() if event == "heal"]
+    assert marked == [(heal["step"], "heal") for heal in heals]
     written = plot_loss_curves(records, tmp_path / "figures", formats=("png",))
     assert sorted(path.name for path in written) == ["loss_vs_cum_MB.png", "loss_vs_step.png"]
 

@@ -245,14 +245,6 @@ class Communicator:
         forms the quorum of the groups alive, and may replace this worker's state with a live
         peer's (a heal) before the exchange starts."""
 
-    def state_dict(self) -> dict:
-        """What a resume needs of the exchange itself (a checkpoint's rank file keeps it): nothing
-        here; between replica groups, how many exchanges this group has committed."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s."""
-
     def commit(self) -> bool:
         """After the exchange, before its result is applied: whether to apply it. Always here (a
         lost peer ends the run); between replica groups, False when a group died inside it."""

@@ -144,7 +144,9 @@ class ReplicaGroups(Communicator):
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
         self._members: int | None = None
-        self._committed = {"step": 0, "batches_committed": 0}  # torchft's count, until its Manager exists
+        # this group's progress (the loop's steps done when the exchange ends): what a quorum
+        # compares, so that a group with fewer steps behind it heals from one with the most
+        self.progress = 0
         self._manager_args = dict(min_replica_size=min_replicas, timeout=timeout, quorum_timeout=quorum_timeout,
                                   lighthouse_addr=lighthouse, replica_id=f"{run_id}_replica{replica}")
         self._manager = None
@@ -175,7 +177,6 @@ class ReplicaGroups(Communicator):
                 use_async_quorum=False, connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
                 store_port=self._store.port, hostname=host, checkpoint_transport=metered_transport(self.meter, timeout),
                 init_sync=False, **args)
-            self._manager.load_state_dict(self._committed)
         return self._manager
 
     def __repr__(self) -> str:
@@ -203,6 +204,9 @@ class ReplicaGroups(Communicator):
         """Join the quorum of the groups alive now (healing from a live peer when this group is
         behind), then count the groups that contribute: all but a group that has just healed."""
         healed_before = self.healed_state
+        # torchft's step is its count of commits; a dropped exchange would leave it behind the
+        # steps a group has trained, so the quorum is given the steps themselves
+        self.manager.load_state_dict({"step": self.progress, "batches_committed": 0})
         self.manager.start_quorum()
         healed = self.healed_state is not healed_before
         self.world_size = self.manager.num_participants()
@@ -211,13 +215,10 @@ class ReplicaGroups(Communicator):
         self._issue(flag, "sum").wait()
         self.contributors = int(round(float(flag[0])))
         self.contributing = not healed
-        step = self.manager.current_step()
         if self._members is not None and self.world_size != self._members:
-            self.events.append({"event": "membership", "exchange": step, "groups": self.world_size,
-                                "was": self._members})
+            self.events.append({"event": "membership", "groups": self.world_size, "was": self._members})
         if healed:
-            self.events.append({"event": "heal", "exchange": step, "groups": self.world_size,
-                                "bytes": state_bytes(self.healed_state)})
+            self.events.append({"event": "heal", "groups": self.world_size, "bytes": state_bytes(self.healed_state)})
         self._members = self.world_size
 
     def commit(self) -> bool:
@@ -225,20 +226,8 @@ class ReplicaGroups(Communicator):
         then is its result applied, by all of them alike."""
         committed = self.manager.should_commit()
         if not committed:
-            self.events.append({"event": "exchange_dropped", "exchange": self.manager.current_step(),
-                                "groups": self.world_size})
+            self.events.append({"event": "exchange_dropped", "groups": self.world_size})
         return committed
-
-    def state_dict(self) -> dict:
-        """The exchanges this group has committed (torchft's step): a group that resumes from an
-        older checkpoint than its peers' is then behind them, and heals at its first exchange."""
-        return {"torchft": self._manager.state_dict() if self._manager is not None else dict(self._committed)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "torchft" in state:
-            self._committed = dict(state["torchft"])
-            if self._manager is not None:
-                self._manager.load_state_dict(self._committed)
 
     def take_events(self) -> list[dict]:
         events, self.events = self.events, []

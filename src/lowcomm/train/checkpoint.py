@@ -200,8 +200,7 @@ class CheckpointManager:
         if own is not None:
             written[optim_rank_file(rank)] = _atomic_save(own, tmp / optim_rank_file(rank))
         written[rank_file(rank)] = _atomic_save({"rng": rng_state(), "meter": self.comm.meter.state_dict(),
-                                                 "strategy": self.strategy.extra_state(),
-                                                 "exchange": self.strategy.comm.state_dict()}, tmp / rank_file(rank))
+                                                 "strategy": self.strategy.extra_state()}, tmp / rank_file(rank))
         _write_bytes(json.dumps(written).encode(), tmp / f".hashes_rank{rank}.json")
         self.comm.barrier()
         if is_main:
@@ -314,7 +313,6 @@ class CheckpointManager:
         self.strategy.load_model_state_dict(model, loaded["model"])
         optimizer.load_state_dict(loaded["optim"])
         self.strategy.load_extra_state(loaded["rank"]["strategy"])
-        self.strategy.comm.load_state_dict(loaded["rank"].get("exchange") or {})  # (none before replica groups)
         self.comm.meter.load_state_dict(loaded["rank"]["meter"])
         set_rng_state(loaded["rank"]["rng"])
 

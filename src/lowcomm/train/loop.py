@@ -271,7 +271,7 @@ class Trainer:
         restored = self.checkpoints.restore_latest(self.model, self.optimizer)
         start = restored.step if restored else 0
         if self.group is not None:  # ready to train: the other groups' quorums may wait for this one
-            self.group.join(run.cluster.join_timeout_s)
+            self.group.join(run.cluster.collective_timeout_s)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             where = restored.describe() if restored else "starting"

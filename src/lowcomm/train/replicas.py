@@ -61,7 +61,6 @@ class ReplicaGroup:
         self.exchange = ReplicaGroups(self.replica, self.replicas, lighthouse=lighthouse,
                                       min_replicas=run.cluster.min_replicas, meter=meter, device=device,
                                       timeout=timeout, quorum_timeout=timeout, run_id=run.run_name)
-        self.stepping = 0  # the steps done once the step in progress ends (what a heal sends)
         self._healed_to: int | None = None
 
     def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, at_boundary) -> None:
@@ -97,6 +96,16 @@ class ReplicaGroup:
         while len(list(here.iterdir())) < self.replicas and time.monotonic() < deadline:
             time.sleep(0.05)
         self.exchange.join()
+
+    @property
+    def stepping(self) -> int:
+        """The steps done once the step in progress ends: what a heal sends, and what a quorum
+        compares (the loop sets it before each step)."""
+        return self.exchange.progress
+
+    @stepping.setter
+    def stepping(self, steps: int) -> None:
+        self.exchange.progress = steps
 
     def take_heal(self) -> int | None:
         """The step this group continues from after a heal in the step just ended, else None."""
