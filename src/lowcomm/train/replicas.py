@@ -83,11 +83,13 @@ class ReplicaGroup:
         self.exchange.serve_state(save, load)
 
     def join(self, timeout_s: float) -> None:
-        """Ready to train: wait (at most ``timeout_s``) until every group of this launch is, then
-        become a member the lighthouse waits for. Without the wait a group that starts seconds
-        later than the others (imports on shared cores) would find their first exchanges made
-        without it, and heal at once. The groups meet by files under the run directory, per
-        launch (its lighthouse); a group started again in the same launch finds them all."""
+        """Ready to train: become a member the lighthouse waits for, then wait (at most
+        ``timeout_s``) until every group of this launch is one too. Without the wait a group that
+        starts seconds later than the others (imports on shared cores) would find their first
+        exchanges made without it, and heal at once; once all are members, a quorum waits for
+        each. The groups meet by files under the run directory, per launch (its lighthouse); a
+        group started again in the same launch finds them all."""
+        self.exchange.join()
         launch = re.sub(r"[^A-Za-z0-9]+", "_", self.lighthouse).strip("_")
         here = self.shared_dir / "replicas" / ".ready" / launch
         here.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,6 @@ class ReplicaGroup:
         deadline = time.monotonic() + timeout_s
         while len(list(here.iterdir())) < self.replicas and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.exchange.join()
 
     @property
     def stepping(self) -> int:
