@@ -98,12 +98,6 @@ def _start(node: Node, rank: int, args: argparse.Namespace, config: Path, lighth
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
-def _received(node: Node) -> int:
-    """Bytes the node's veth has received, by the kernel's count."""
-    read = ["ip", "netns", "exec", node.namespace, "cat", f"/sys/class/net/{NODE_INTERFACE}/statistics/rx_bytes"]
-    return int(subprocess.run(read, check=True, capture_output=True, text=True).stdout)
-
-
 def _group_dirs(run, nodes: int, torchft: bool) -> list[Path]:
     return [replica_run_dir(run.run_dir, rank) for rank in range(nodes)] if torchft else [Path(run.run_dir)]
 
@@ -164,7 +158,7 @@ def _run(path: Trial, args: argparse.Namespace, lighthouse: str, *, kill_at: int
             proc.wait()
     path.wall_s = time.perf_counter() - path.started
     _watch(path, groups[0])
-    path.notes["received_at_end"] = _received(args.network[victim])
+    path.notes["received_at_end"] = args.network[victim].received()
     path.notes["summaries"] = [RunDir(group).read_summary() for group in groups]
     path.notes["metrics"] = [read_metrics(group / "metrics.jsonl") for group in groups]
 
@@ -184,10 +178,9 @@ def _supervise(path: Trial, args: argparse.Namespace, groups: list[Path], start,
             procs[victim].wait()
             killed_at_s = now
             path.notes["killed_at_step"] = _last_step(groups[victim if torchft else 0])
-            path.notes["received_before_kill"] = _received(args.network[victim])
         if killed_at_s is not None and not relaunched:
             if torchft and _last_step(groups[0 if victim else 1]) >= args.rejoin_at_step:
-                path.notes["received_at_restart"] = _received(args.network[victim])
+                path.notes["received_at_restart"] = args.network[victim].received()
                 procs[victim] = start(victim)
                 relaunched, path.notes["restarted_at_s"] = True, now
                 path.notes["down_s"] = now - killed_at_s
@@ -265,14 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.kill_at_step < args.rejoin_at_step < args.steps:
         parser.error("needs 0 < --kill-at-step < --rejoin-at-step < --steps")
     args.eval_every = max(1, args.steps // 15)
-    # the exchange replica groups run: dense (MuLoCo's quickstart point quantizes; its error
-    # feedback needs a codec)
+    # the method's quickstart settings, with the exchange replica groups run (MuLoCo's point quantizes)
     point = STRATEGIES[args.method].quickstart[0]
     args.point = [o for o in point.overrides if not o.startswith("compression")]
+    args.dense = list(STRATEGIES[args.method].replica_groups_overrides())
     args.label = point.label if args.point == list(point.overrides) else \
         f"{STRATEGIES[args.method].display.name} (its quickstart settings, dense)"
-    args.dense = ["compression=none", *(["optimizer.error_feedback=null"] if "error_feedback" in
-                                         STRATEGIES[args.method].Config.__dataclass_fields__ else [])]
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work / args.method
 
@@ -286,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         lighthouse = f"http://{login_address(network)}:{port}"
         try:
             print(f"[churn] {args.nodes} nodes, {args.method}; lighthouse {lighthouse}", flush=True)
-            before = _received(network[args.kill_node])
+            before = network[args.kill_node].received()
             _run(paths["uninterrupted"], args, lighthouse)
-            framing = _framing(paths["uninterrupted"], args.kill_node, _received(network[args.kill_node]) - before)
+            framing = _framing(paths["uninterrupted"], args.kill_node, network[args.kill_node].received() - before)
             _run(paths["replica groups"], args, lighthouse, kill_at=args.kill_at_step)
             _run(paths["requeue"], args, lighthouse, kill_at=args.kill_at_step,
                  back_after_s=paths["replica groups"].notes["down_s"])

@@ -87,6 +87,11 @@ class Node:
         intra, inter = subprocess.run(read, check=True, capture_output=True, text=True).stdout.split()
         return {"intra": int(intra), "inter": int(inter)}
 
+    def received(self) -> int:
+        """Bytes the node's inter-node link (its veth) has received so far, by the kernel's count."""
+        read = ["ip", "netns", "exec", self.namespace, "cat", f"/sys/class/net/{NODE_INTERFACE}/statistics/rx_bytes"]
+        return int(subprocess.run(read, check=True, capture_output=True, text=True).stdout)
+
     def limit_rate(self, bits_per_s: float | None) -> str:
         """Rate-limit the node's inter-node link (its veth's egress) with a token bucket filter
         of two packets (None: remove the limit); returns the qdisc as the kernel reports it."""

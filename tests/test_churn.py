@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_a_node_lost_and_back_is_survived_by_replica_groups_and_requeued_otherwise(tmp_path):
     done = run_shaping_benchmark(CHURN, "--method", "diloco", "--nodes", "2", "--kill-at-step", "30",
                                  "--rejoin-at-step", "50", "--steps", "120", "--checkpoint-every", "10",
-                                 "--heartbeat-timeout", "2", "--join-timeout", "2", "--out", str(tmp_path),
+                                 "--heartbeat-timeout", "2", "--out", str(tmp_path),
                                  "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     result = json.loads((tmp_path / "churn.json").read_text())

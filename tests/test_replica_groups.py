@@ -42,9 +42,8 @@ TORCHFT = ["cluster.fault_tolerance=torchft"]
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_starts(name, tmp_path):
     strategy = STRATEGIES[name]
-    # dense: a compressed exchange is refused (below); MuLoCo's error feedback needs a codec
-    dense = ["optimizer.error_feedback=null"] if "error_feedback" in strategy.Config.__dataclass_fields__ else []
-    cfg = compose([*TINY, f"run_root={tmp_path}", f"optimizer={name}", "cluster.workers=2", *TORCHFT, *dense])
+    cfg = compose([*TINY, f"run_root={tmp_path}", f"optimizer={name}", "cluster.workers=2", *TORCHFT,
+                   *strategy.replica_groups_overrides()])
     refusal = strategy.replica_groups_refusal
     if refusal is None:
         assert validate(cfg).cluster.fault_tolerance == "torchft"
@@ -74,12 +73,11 @@ RUNNABLE = sorted(name for name, strategy in STRATEGIES.items() if strategy.repl
 
 
 def _dense(name: str) -> list[str]:
-    """A method's config as replica groups run it: its exchange dense (MuLoCo's error feedback
-    needs a codec), and the DiLoCo family synchronising every 3 steps (a 6-step run ends on one)."""
+    """A method's config as replica groups run it, the DiLoCo family synchronising every 3 steps
+    (a 6-step run ends on one)."""
     strategy = STRATEGIES[name]
-    fields = strategy.Config.__dataclass_fields__
-    return [*(["optimizer.error_feedback=null"] if "error_feedback" in fields else []),
-            *(["optimizer.sync_every=3"] if "sync_every" in fields else [])]
+    every_3 = ["optimizer.sync_every=3"] if "sync_every" in strategy.Config.__dataclass_fields__ else []
+    return [*strategy.replica_groups_overrides(), *every_3]
 
 
 @pytest.mark.slow

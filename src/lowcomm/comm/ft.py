@@ -130,11 +130,8 @@ class ReplicaGroups(Communicator):
         if torch.device(device).type != "cpu":
             raise RuntimeError(f"replica groups exchange over gloo on the CPU; this worker's device is {device} "
                                "(set cluster.device=cpu with cluster.fault_tolerance=torchft)")
-        self.group = self.control_group = None
-        self.meter, self.scope, self.timeout = meter, "world", timeout
-        self.device = torch.device(device)
+        super().__init__(meter=meter, device=device, timeout=timeout)  # no group: the Manager's is the one
         self.served = self.control_served = {"cpu": "gloo"}
-        self.control_device = torch.device("cpu")
         self.rank = self.global_rank = replica
         self.replicas = self.world_size = replicas
         self.contributors = replicas

@@ -216,6 +216,14 @@ class Strategy:
         return []
 
     @classmethod
+    def replica_groups_overrides(cls) -> tuple[str, ...]:
+        """Overrides under which this method's default config runs as replica groups (the
+        exchange between groups is dense: ``compression=none``, and no error feedback, which
+        accumulates what a codec drops)."""
+        fields = cls.Config.__dataclass_fields__
+        return ("compression=none", *(("optimizer.error_feedback=null",) if "error_feedback" in fields else ()))
+
+    @classmethod
     def check_replica_groups(cls, cfg: StrategyConfig, compression: dict[str, Any]) -> list[str]:  # noqa: ARG003
         """Under ``cluster.fault_tolerance=torchft``: why this configuration cannot run as replica
         groups that leave and rejoin (checked before anything starts), or nothing."""

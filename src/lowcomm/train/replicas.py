@@ -17,17 +17,14 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups
 from lowcomm.comm.meter import CommMeter
+from lowcomm.config import RunConfig
+from lowcomm.distenv import DistEnv
 from lowcomm.rundir import RunDir
-
-if TYPE_CHECKING:
-    from lowcomm.config import RunConfig
-    from lowcomm.distenv import DistEnv
 
 # A checkpoint's or a heal's record of the loop's step (the steps a group has done)
 HEALED_STEP = "step"
