@@ -258,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.kill_at_step < args.rejoin_at_step < args.steps:
         parser.error("needs 0 < --kill-at-step < --rejoin-at-step < --steps")
     args.eval_every = max(1, args.steps // 15)
-    # the method's quickstart settings, with the exchange replica groups run (MuLoCo's point quantizes)
+    # the method's quickstart settings, with the exchange replica groups run (MuLoCo's point
+    # quantizes, Streaming DiLoCo's sends E3M0)
     point = STRATEGIES[args.method].quickstart[0]
     args.point = [o for o in point.overrides if not o.startswith("compression")]
     args.dense = list(STRATEGIES[args.method].replica_groups_overrides())
-    args.label = point.label if args.point == list(point.overrides) else \
-        f"{STRATEGIES[args.method].display.name} (its quickstart settings, dense)"
+    as_listed = compose([f"optimizer={args.method}", *point.overrides])
+    as_run = compose([f"optimizer={args.method}", *args.point, *args.dense])
+    unchanged = all(as_listed[group] == as_run[group] for group in ("optimizer", "compression"))
+    args.label = point.label if unchanged else f"{STRATEGIES[args.method].display.name} (its quickstart settings, dense)"
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work / args.method
 

@@ -31,6 +31,7 @@ from lowcomm.report.figures import mark_membership, plot_loss_curves
 from lowcomm.report.runs import load_run
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
+from lowcomm.train.checkpoint import load_file, optim_rank_file
 from lowcomm.train.metrics import read_metrics
 from lowcomm.train.replicas import replica_run_dir
 from runs import SMALL_SYNTHETIC, TINY, worker_pids
@@ -60,9 +61,14 @@ def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_start
     (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
     (["cluster=slurm_debug"], "runs under the local launcher"),
     (["cluster.device=cuda"], "over gloo on the CPU: set cluster.device=cpu"),
+    (["optimizer=streaming_diloco"], "sends its fragments dense (optimizer.quantization=none)"),
+    # two fragments every 4 steps are sent 2 steps apart: a fragment must be merged before the next leaves
+    (["optimizer=streaming_diloco", "optimizer.quantization=none", "optimizer.sync_every=4",
+      "optimizer.num_fragments=2", "optimizer.overlap=2"], "optimizer.overlap (2) must be below the 2 steps"),
 ])
 def test_a_replica_group_setting_that_cannot_run_is_refused_naming_it(overrides, error, tmp_path):
-    cfg = compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster.workers=2", *TORCHFT, *overrides])
+    optimizer = [] if any(o.startswith("optimizer=") for o in overrides) else ["optimizer=diloco"]
+    cfg = compose([*TINY, f"run_root={tmp_path}", *optimizer, "cluster.workers=2", *TORCHFT, *overrides])
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     assert any(error in line for line in refused.value.errors), refused.value.errors
@@ -74,10 +80,14 @@ RUNNABLE = sorted(name for name, strategy in STRATEGIES.items() if strategy.repl
 
 def _dense(name: str) -> list[str]:
     """A method's config as replica groups run it, the DiLoCo family synchronising every 3 steps
-    (a 6-step run ends on one)."""
-    strategy = STRATEGIES[name]
-    every_3 = ["optimizer.sync_every=3"] if "sync_every" in strategy.Config.__dataclass_fields__ else []
-    return [*strategy.replica_groups_overrides(), *every_3]
+    (a 6-step run ends on one); Streaming DiLoCo's two fragments every 4, each sent at its own
+    step and merged a step later (steps 2, 4 and 6, merged at 3, 5 and after the run)."""
+    fields = STRATEGIES[name].Config.__dataclass_fields__
+    if "num_fragments" in fields:
+        period = ["optimizer.sync_every=4", "optimizer.num_fragments=2", "optimizer.overlap=1"]
+    else:
+        period = ["optimizer.sync_every=3"] if "sync_every" in fields else []
+    return [*STRATEGIES[name].replica_groups_overrides(), *period]
 
 
 @pytest.mark.slow
@@ -88,9 +98,20 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
                                "train.max_steps=6", f"optimizer={name}", *_dense(name), *TORCHFT]))
     launch_local(groups)
     expected = RunDir(plain.run_dir).read_summary()
-    for replica in (0, 1):  # every group ends on the model the plain run ends on
-        summary = RunDir(replica_run_dir(groups.run_dir, replica)).read_summary()
-        assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
+    for replica in (0, 1):
+        group_dir = replica_run_dir(groups.run_dir, replica)
+        summary = RunDir(group_dir).read_summary()
+        if "num_fragments" in STRATEGIES[name].Config.__dataclass_fields__:
+            # Streaming DiLoCo's workers never hold one model (a fragment trains while another is
+            # merged): each group's own state is the plain run's rank's
+            final = Path("checkpoints") / "step_000000006"
+            own = load_file(group_dir / final / optim_rank_file(0))
+            plain_own = load_file(Path(plain.run_dir) / final / optim_rank_file(replica))
+            for key in ("local_params", "global_params", "outer_momentum"):
+                for mine, theirs in zip(own[key], plain_own[key], strict=True):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+        else:  # every group ends on the model the plain run ends on
+            assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
         assert summary["payload_MB_per_step"] == pytest.approx(expected["payload_MB_per_step"])
         assert summary["world_size"] == 2 and summary["heal_rx_MB"] == summary["heal_tx_MB"] == 0
 
@@ -139,6 +160,62 @@ def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_mete
     for side in (ahead, healed):
         data = side["bytes"]["data/world/all_reduce"]
         assert (data["payload"], data["tx"], data["rx"]) == (4000, 4000, 4000)  # 2 (W-1)/W x 4,000 at W=2
+
+
+def _streaming_heal_at_another_phase(rank: int, world: int, lighthouse: str) -> dict:
+    """Streaming DiLoCo, two fragments of unequal size every 4 steps (sent after steps 4k and
+    4k + 2), merged one step later. Group 0 has done 5 inner steps and sends fragment 1 after its
+    6th; group 1 restarted at step 3 and would send fragment 0 after its 4th: at their quorum it
+    heals to group 0's step 6, sends fragment 1 as zeros, and both merge group 0's outer gradient."""
+    from lowcomm.comm.ft import ReplicaGroups
+    from lowcomm.comm.meter import CommMeter
+    from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs
+
+    groups = ReplicaGroups(rank, world, lighthouse=lighthouse, min_replicas=2, meter=CommMeter(),
+                           timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    fragments = [[torch.nn.Parameter(torch.zeros(3))], [torch.nn.Parameter(torch.zeros(5))]]
+    params = [p for fragment in fragments for p in fragment]
+    args = StreamingDiLoCoArgs(sync_every=4, overlap=1, mixing=0.5, outer_lr=0.7, outer_momentum=0.9,
+                               nesterov=True, exchange="all_reduce")
+    optimizer = StreamingDiLoCo(fragments, torch.optim.SGD(params, lr=0.1), args, comm=groups)
+    groups.serve_state(optimizer.state_dict, optimizer.load_state_dict)
+    optimizer.local_step = 5 if rank == 0 else 3
+    with torch.no_grad():  # what each has trained so far
+        for p in params:
+            p.fill_(1.0 + rank)
+    sent = []
+    # the loop's steps done at the end of each step; the gradients: group 1's first is its own
+    # (lost in the heal), after it both take a step of gradient 1 (to compare the models after it)
+    for progress, gradient in ((6, 1.0), (7, 1.0)) if rank == 0 else ((4, 5.0), (7, 1.0)):
+        groups.progress = progress
+        for p in params:
+            p.grad = torch.full_like(p, gradient)
+        optimizer.step()
+        sent.append(optimizer.local_step)
+    result = {"local_steps": sent, "params": [p.detach().tolist() for p in params],
+              "global": [[t.tolist() for t in fragment] for fragment in optimizer._global],
+              "contributors": groups.contributors, "events": [e["event"] for e in groups.take_events()]}
+    groups.shutdown()
+    return result
+
+
+@pytest.mark.slow
+def test_streaming_diloco_group_rejoining_at_another_phase_sends_the_peers_fragment():
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
+    try:
+        ahead, healed = spawn_workers(_streaming_heal_at_another_phase, 2, lighthouse.address(), timeout_s=120)
+    finally:
+        lighthouse.shutdown()
+    assert healed["events"] == ["heal"] and ahead["events"] == []
+    assert ahead["local_steps"] == healed["local_steps"] == [6, 7]  # group 1 went on from group 0's step
+    assert ahead["params"] == healed["params"] and ahead["global"] == healed["global"]  # one model again
+    # by hand: group 0's fragment 1 after its SGD step 1 - 0.1 = 0.9, its outer gradient 0 - 0.9;
+    # the mean over the one contributor -0.9; Nesterov (momentum 0.9): direction -0.9 (1 + 0.9) = -1.71;
+    # global 0 + 0.7 x 1.71 = 1.197; after step 7 (SGD 0.9 - 0.1 = 0.8) mixed: 0.5 x 0.8 + 0.5 x 1.197
+    assert ahead["global"][1] == [pytest.approx([1.197] * 5)] and ahead["global"][0] == [[0.0] * 3]
+    assert ahead["params"][1] == pytest.approx([0.9985] * 5)
+    assert ahead["params"][0] == pytest.approx([0.8] * 3)  # fragment 0: two SGD steps, not sent
 
 
 # ------------------------------------------------------------------ a run that loses a group

@@ -33,7 +33,12 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.compress.e3m0 import E3M0
 from lowcomm.models import build_model
 from lowcomm.optim.diloco import DiLoCo, DiLoCoArgs
-from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs, fragment_params
+from lowcomm.optim.streaming_diloco import (
+    StreamingDiLoCo,
+    StreamingDiLoCoArgs,
+    fewest_steps_between_sends,
+    fragment_params,
+)
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.streaming_diloco import StreamingDiLoCoConfig, StreamingDiLoCoStrategy
 from lowcomm.train.metrics import read_metrics
@@ -97,6 +102,14 @@ def test_schedule_staggers_the_fragments_evenly():
                                 StreamingDiLoCoArgs.defaults(sync_every=8))
     assert optimizer.offsets == [0, 2, 4, 6]
     assert [optimizer.fragments_sent_at(t) for t in range(1, 9)] == [[], [1], [], [2], [], [3], [], [0]]
+
+
+@pytest.mark.parametrize(("num_fragments", "sync_every", "gap"), [
+    (4, 8, 2), (4, 10, 2),  # offsets 0, 2, 5, 7 of 10: sends 2, 3, 2 and 3 steps apart
+    (4, 100, 25), (1, 10, 10), (3, 3, 1),
+])
+def test_the_fewest_steps_between_two_sends(num_fragments, sync_every, gap):
+    assert fewest_steps_between_sends(num_fragments, sync_every) == gap
 
 
 # ---------------------------------------------------------------------------- on real workers

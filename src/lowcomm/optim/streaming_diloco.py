@@ -100,6 +100,12 @@ def fragments_sent_at(step: int, num_fragments: int, sync_every: int) -> list[in
             if step % sync_every == offset % sync_every]
 
 
+def fewest_steps_between_sends(num_fragments: int, sync_every: int) -> int:
+    """The fewest inner steps from one fragment's send to the next one's, over the cycle."""
+    offsets = sorted(set(fragment_offsets(num_fragments, sync_every)))
+    return min(later - earlier for earlier, later in zip(offsets, [*offsets[1:], offsets[0] + sync_every], strict=True))
+
+
 def fragment_errors(num_fragments: int, sync_every: int) -> list[str]:
     """The rule on the number of fragments: one staggered offset per fragment in H steps."""
     if num_fragments < 1:
@@ -117,6 +123,7 @@ class _Exchange:
     fragment: int
     due: int
     mean: PendingMean  # the worker mean of Delta_p, on its way until waited for
+    begun_here: bool = True  # False for one restored from a checkpoint: no quorum of this process holds it
 
 
 class StreamingDiLoCo(torch.optim.Optimizer):
@@ -176,11 +183,21 @@ class StreamingDiLoCo(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None):
         loss = self.inner.step(closure)
         self.local_step += 1
-        for fragment in self.fragments_sent_at(self.local_step):
-            self._send(fragment)
-        for exchange in [e for e in self._in_flight if e.due == self.local_step]:
-            self._receive(exchange)
-            self._in_flight.remove(exchange)
+        if self.fragments_sent_at(self.local_step):
+            # Between replica groups that may fail (lowcomm.comm.ft) a quorum forms first. A group
+            # that rejoins behind takes a live peer's state there, its local step included, and
+            # then sends what the peer's step sends (its own step's fragment may be another one).
+            self.comm.begin_exchange()
+            for fragment in self.fragments_sent_at(self.local_step):
+                self._send(fragment)
+        due = [e for e in self._in_flight if e.due == self.local_step]
+        if due:
+            means = [exchange.mean.wait() for exchange in due]
+            # the exchanges due now began together; one a peer died inside is dropped by all alike
+            committed = self.comm.commit() if any(e.begun_here for e in due) else True
+            for exchange, mean in zip(due, means, strict=True):
+                self._receive(exchange.fragment, mean if committed else None)
+                self._in_flight.remove(exchange)
         return loss
 
     @torch.no_grad()
@@ -190,14 +207,16 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self._in_flight.append(_Exchange(fragment, self.local_step + self.overlap, mean))
 
     @torch.no_grad()
-    def _receive(self, exchange: _Exchange) -> None:
-        fragment = exchange.fragment
-        for index, (mean, global_, local) in enumerate(zip(
-                exchange.mean.wait(), self._global[fragment], self.fragments[fragment], strict=True)):
-            direction = mean.clone()
-            momentum = self._momentum[fragment][index] if self._momentum is not None else None
-            outer_direction_(direction, momentum, self.outer_momentum, self.nesterov)
-            global_.sub_(direction, alpha=self.outer_lr)
+    def _receive(self, fragment: int, means: list[torch.Tensor] | None) -> None:
+        """The outer step of ``fragment`` with the worker mean ``means``, then the mixing. A
+        dropped exchange (``None``) moves no global copy: the local fragment is mixed with the
+        unchanged one (with alpha = 0 it restarts from it, as DiLoCo's workers do)."""
+        for index, (global_, local) in enumerate(zip(self._global[fragment], self.fragments[fragment], strict=True)):
+            if means is not None:
+                direction = means[index].clone()
+                momentum = self._momentum[fragment][index] if self._momentum is not None else None
+                outer_direction_(direction, momentum, self.outer_momentum, self.nesterov)
+                global_.sub_(direction, alpha=self.outer_lr)
             local.mul_(self.mixing).add_(global_, alpha=1 - self.mixing)
 
     # ------------------------------------------------------------------ checkpoint
@@ -230,7 +249,8 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.local_step = int(state_dict["local_step"])
         self._in_flight = [
-            _Exchange(int(e["fragment"]), int(e["due"]), PendingMean.done([t.clone() for t in e["mean"]]))
+            _Exchange(int(e["fragment"]), int(e["due"]), PendingMean.done([t.clone() for t in e["mean"]]),
+                      begun_here=False)
             for e in state_dict["in_flight"]
         ]
 

@@ -317,6 +317,13 @@ class Strategy:
         there leaves them out? False for methods without one."""
         return False
 
+    def heal_sends_model(self, step: int) -> bool:
+        """Does a heal (a replica group taking a live peer's state at the end of step ``step``:
+        :mod:`lowcomm.train.replicas`) send the model's parameters beside the optimizer's state?
+        Not at an outer boundary, where the optimizer restores them from its own copy; a method
+        whose optimizer state holds the worker's parameters says no everywhere."""
+        return not self.outer_boundary(step)
+
     def boundary_saved_bytes(self, model: torch.nn.Module) -> float:  # noqa: ARG002
         """Per-rank bytes a checkpoint at an outer boundary leaves out (:meth:`outer_boundary`)."""
         return 0.0

@@ -23,6 +23,7 @@ from lowcomm.optim.grouping import AdamWArgs, adamw
 from lowcomm.optim.streaming_diloco import (
     StreamingDiLoCo,
     StreamingDiLoCoArgs,
+    fewest_steps_between_sends,
     fragment_errors,
     fragment_params,
     fragments_sent_at,
@@ -63,10 +64,10 @@ class StreamingDiLoCoConfig(StrategyConfig, AdamWArgs, StreamingDiLoCoArgs):
 @register
 class StreamingDiLoCoStrategy(Strategy):
     name = "streaming_diloco"
-    replica_groups_refusal = (
-        "a quorum pairs the groups' exchanges by time, and its fragments take turns: a group that rejoins at "
-        "another phase of the schedule would average another fragment, and each fragment's exchange stays in flight "
-        "across inner steps (its quorum and commit would span them); not built")
+    # Between replica groups each send step forms a quorum (a group rejoining at another phase of
+    # the schedule heals to the peer's step, and sends its fragment) and the step it is merged
+    # commits it: dense, and merged before the next send (check_replica_groups).
+    replica_groups_refusal = None
     Config = StreamingDiLoCoConfig
     display = Display("Streaming DiLoCo", marker=">", color="C9")
     quickstart = (Point("Streaming DiLoCo H=10 P=2", "optimizer.lr=6e-3", "optimizer.sync_every=10",
@@ -77,6 +78,29 @@ class StreamingDiLoCoStrategy(Strategy):
     mid_period = ("optimizer.sync_every=4",)
     cycle = Cycle(4, "optimizer.sync_every=4", "optimizer.num_fragments=2")
     replicated_optimizer_state = False  # inner states, and the local copies the mixing keeps, are per worker
+
+    @classmethod
+    def replica_groups_overrides(cls) -> tuple[str, ...]:
+        return (*super().replica_groups_overrides(), "optimizer.quantization=none")
+
+    @classmethod
+    def check_replica_groups(cls, cfg: StreamingDiLoCoConfig, compression: dict) -> list[str]:
+        errors = super().check_replica_groups(cfg, compression)
+        prefix = f"optimizer={cls.name} under cluster.fault_tolerance=torchft"
+        if cfg.quantization != "none":
+            errors.append(f"{prefix} sends its fragments dense (optimizer.quantization=none): the quantized "
+                          f"all-reduce is not offered between replica groups")
+        if not fragment_errors(cfg.num_fragments, cfg.sync_every) and cfg.sync_every >= 1:
+            gap = fewest_steps_between_sends(cfg.num_fragments, cfg.sync_every)
+            if cfg.overlap >= gap:
+                errors.append(f"{prefix} merges each fragment before the next is sent (one quorum at a time): "
+                              f"optimizer.overlap ({cfg.overlap}) must be below the {gap} steps between sends "
+                              f"(sync_every {cfg.sync_every} / num_fragments {cfg.num_fragments})")
+        return errors
+
+    def heal_sends_model(self, step: int) -> bool:  # noqa: ARG002
+        """Never: the optimizer's state holds the worker's parameters (``local_params``)."""
+        return False
 
     def codec(self):
         return build_codec({"name": self.cfg.quantization})

@@ -205,7 +205,7 @@ class Trainer:
                                 self.world_size, train.micro_batch_size, seed=run.seed)
         self.slowdown = Slowdown.of_rank(run.cluster.slow_ranks, run.cluster.slowdown, self.shard)
         if self.group is not None:
-            self.group.serve(self.model, self.optimizer, self.strategy.outer_boundary)
+            self.group.serve(self.model, self.optimizer, self.strategy.heal_sends_model)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
                                              layout=self.strategy.layout(run.optimizer, self.env.local_world_size))
 

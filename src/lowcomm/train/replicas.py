@@ -60,14 +60,15 @@ class ReplicaGroup:
                                       timeout=timeout, quorum_timeout=timeout, run_id=run.run_name)
         self._healed_to: int | None = None
 
-    def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, at_boundary) -> None:
+    def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sends_model) -> None:
         """The state a peer behind this group is sent: the optimizer's, the loop's step, and the
-        model's parameters unless ``at_boundary(step)`` (the optimizer then restores them from
-        its own global copy: the DiLoCo family at an outer step)."""
+        model's parameters where ``sends_model(step)`` (not where the optimizer restores them
+        from its own global copy, the DiLoCo family at an outer step, nor where its state holds
+        them: Streaming DiLoCo's; :meth:`lowcomm.strategies.Strategy.heal_sends_model`)."""
 
         def save() -> dict:
             state = {HEALED_STEP: self.stepping, "optimizer": optimizer.state_dict()}
-            if not at_boundary(self.stepping):
+            if sends_model(self.stepping):
                 state["model"] = model.state_dict()
             return state
 
