@@ -47,7 +47,7 @@ from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
 from lowcomm.report.runs import load_run
-from lowcomm.report.wallclock import compute_seconds_per_step, parse_bandwidth, timeline
+from lowcomm.report.wallclock import compute_seconds_per_step, parse_bandwidth, recorded_link_bps, timeline
 from lowcomm.strategies import STRATEGIES
 
 # the synchronous and local-update methods issue 47 compares, each with its quickstart settings
@@ -62,22 +62,15 @@ def _overrides(method: str, case: str, args: argparse.Namespace) -> list[str]:
     steps = args.steps
     slow = ([f"cluster.slow_ranks=[{args.slow_node}]", f"cluster.slowdown={args.slowdown:g}"]
             if case == "slow compute" else [])
+    # the links as the run's own settings (Nodes.train shapes each node's veth from them)
+    links = [] if case == "unshaped" else [f"cluster.link_rate={args.link}"]
+    if case == "slow link":
+        links += [f"cluster.slow_link_nodes=[{args.slow_node}]", f"cluster.slow_link_rate={args.slow_link}"]
     return ["experiment=quickstart", "wandb.mode=disabled", f"cluster.workers={args.nodes}",
             f"train.max_steps={steps}", f"train.warmup_steps={max(1, steps // 10)}", "train.checkpoint_every=0",
             f"train.log_every={max(1, steps // 20)}", f"train.eval_every={max(1, steps // 10)}",
             f"run_root={args.work / case.replace(' ', '_')}", f"optimizer={method}",
-            *STRATEGIES[method].quickstart[0].overrides, *slow]
-
-
-def _shape(topology: Nodes, case: str, args: argparse.Namespace) -> str:
-    """Every node's veth as the case has it; returns what the kernel reports."""
-    shown = []
-    for index, node in enumerate(topology.network):
-        rate = None if case == "unshaped" else args.link_bps
-        if case == "slow link" and index == args.slow_node:
-            rate = args.slow_link_bps
-        shown.append(f"{node.hostname}: {node.limit_rate(rate) or 'no qdisc'}")
-    return "; ".join(shown)
+            *STRATEGIES[method].quickstart[0].overrides, *slow, *links]
 
 
 def _time_to(target: float, steps: list[int], seconds: list[float], run) -> float | None:
@@ -124,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 10:
         parser.error(f"--steps must be at least 10 (a validation every tenth), got {args.steps}")
     try:
-        args.link_bps = parse_bandwidth(args.link)
-        args.slow_link_bps = parse_bandwidth(args.slow_link) if args.slow_link else None
+        for rate in (args.link, *([args.slow_link] if args.slow_link else [])):
+            parse_bandwidth(rate)
     except ValueError as exc:
         parser.error(str(exc))
     cases = ["unshaped", "equal", "slow compute", *(["slow link"] if args.slow_link else [])]
@@ -138,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     with Nodes(args.nodes, 1) as topology:
         namespaces = topology.namespaces()
         for case in cases:
-            shaped[case] = _shape(topology, case, args)
-            print(f"[stragglers] {case}: {shaped[case]}", flush=True)
+            if case == "unshaped":
+                shaped[case] = topology.limit(None)
+            print(f"[stragglers] {case}", flush=True)
             for method in args.methods:
                 print(f"[stragglers]   {_label(method)} ({time.perf_counter() - started:.0f} s)", flush=True)
                 overrides = _overrides(method, case, args)
                 before = topology.carried()
-                topology.train(overrides)
+                shaped[case] = topology.train(overrides) or shaped.get(case)
                 carried[method][case] = topology.carried() - before
                 runs[method][case] = load_run(validate(compose(overrides)).run_dir)
 
@@ -161,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         entries = {}
         for case in cases[1:]:
             run = own[case]
-            rate = args.slow_link_bps if case == "slow link" else args.link_bps
+            rate = recorded_link_bps(run)  # the run's own record of its links: the slowest node's
             link, ranks_per_link = topology.link(case, rate, run, carried[method][case])
             predicted = timeline(own["unshaped"], link, intra=IN_THE_COMPUTE, ranks_per_link=ranks_per_link,
                                  compute_s=compute, slowdown=args.slowdown if case == "slow compute" else 1.0)
@@ -172,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "error": None if not measured_s or predicted_s is None else predicted_s / measured_s - 1,
                 "measured_step_s": compute_seconds_per_step(run), "final_val_loss": run.final_val_loss,
                 "val_loss_at_fixed_time": _loss_at(fixed, run), "framing_bytes_per_message": link.framing_bytes,
+                "link_bps": rate,
                 "stretched_s": (run.summary or {}).get("stretched_s"),
             }
         results["methods"][_label(method)] = {"fixed_time_s": fixed, "compute_s_per_step": compute, "cases": entries}

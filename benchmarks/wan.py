@@ -69,6 +69,7 @@ from netns import NODE_INTERFACE, limit_rate, loopback_tx_bytes, network_namespa
 
 from lowcomm.comm.meter import ring_inter_node_share
 from lowcomm.config import validate
+from lowcomm.config.cluster import LINKS_SHAPED_ENV, node_link_rates, shaped_links
 from lowcomm.config.compose import compose
 from lowcomm.launch.local import prepare_run_dir
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
@@ -166,6 +167,9 @@ class Nodes:
 
     def __enter__(self):
         self.network = self._stack.enter_context(node_network(self.nodes, prefix="lcwan"))
+        # the runs' cluster.link_rate / slow_link_nodes are realised here (train): this process
+        # and its workers say so, and their configs validate
+        os.environ.setdefault(LINKS_SHAPED_ENV, "benchmarks/netns.py (tc on each node's veth)")
         return self
 
     def __exit__(self, *exc):
@@ -186,14 +190,24 @@ class Nodes:
         """Bytes on the shaped links (every node's veth) so far."""
         return sum(node.counters()["inter"] for node in self.network)
 
-    def train(self, overrides: list[str]) -> None:
+    def train(self, overrides: list[str]) -> str | None:
         """lowcomm's worker on every node, ``ranks_per_node`` ranks each, the first node's hostname
         as the rendezvous (what torchrun or a SLURM job exports). The nodes share this machine's
         cores: each worker computes on its share of them (torch's default, every core of its node
         for each of its ranks, would put nodes x cores threads on the cores, and an oversubscribed
-        thread pool spins: it made the local-update methods' steps 2.5-7x AdamW-DDP's)."""
+        thread pool spins: it made the local-update methods' steps 2.5-7x AdamW-DDP's).
+
+        Where the run's config shapes the links (``cluster.link_rate``, ``slow_link_nodes``,
+        ``slow_link_rate``), each node's veth is shaped so first, and the kernel's account of the
+        qdiscs is returned; otherwise the links stay as they are (:meth:`limit`), and None."""
         threads = max(1, (os.cpu_count() or 1) // self.workers)
-        config_path = prepare_run_dir(validate(compose([*overrides, f"cluster.threads_per_worker={threads}"])))
+        run = validate(compose([*overrides, f"cluster.threads_per_worker={threads}"]))
+        shaped = None
+        if shaped_links(run.cluster):
+            rates = node_link_rates(run.cluster, self.nodes)
+            shaped = "; ".join(f"{node.hostname}: {node.limit_rate(rate) or 'no qdisc'}"
+                               for node, rate in zip(self.network, rates, strict=True))
+        config_path = prepare_run_dir(run)
         procs = []
         for index, node in enumerate(self.network):
             for local in range(self.ranks_per_node):
@@ -208,6 +222,7 @@ class Nodes:
         failed = [out[-3000:] for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
         if failed:
             raise RuntimeError(f"training failed ({' '.join(overrides)}):\n{failed[0]}")
+        return shaped
 
     def link(self, name: str, bits_per_s: float, run, carried: int) -> tuple[Link, int]:
         """The shaped veth as the model sees it, its framing per message measured: (bytes every

@@ -37,6 +37,16 @@ def test_a_slow_node_and_a_thin_link_on_two_nodes(tmp_path):
     assert cases["slow compute"]["stretched_s"][1] > 0 and cases["slow compute"]["stretched_s"][0] == 0
     assert cases["equal"]["stretched_s"] is None
     assert len({entry["final_val_loss"] for entry in cases.values()}) == 1
+    # the links are the runs' own settings, recorded in their config and summary, and the model
+    # takes the rate from that record: a ring goes at its slowest node's
+    assert (cases["equal"]["link_bps"], cases["slow link"]["link_bps"]) == (100e6, 10e6)
+    [slow_link_summary] = (tmp_path / "runs" / "slow_link").rglob("summary.json")
+    summary = json.loads(slow_link_summary.read_text())
+    assert summary["node_link_bps"] == [100e6, 10e6] and summary["slow_link_nodes"] == [1]
+    assert (summary["link_rate"], summary["slow_link_rate"]) == ("100M", "10M")
+    assert summary["links_shaped_by"].startswith("benchmarks/netns.py")
+    config = (slow_link_summary.parent / "config.yaml").read_text()
+    assert "slow_link_nodes:\n  - 1" in config and "slow_link_rate: 10M" in config
     for entry in cases.values():
         assert entry["predicted_s"] is not None and entry["measured_s"] is not None
         assert entry["framing_bytes_per_message"] >= 0

@@ -174,8 +174,10 @@ def wallclock_main(argv: list[str] | None = None) -> int:
         "link, the time each run needs to reach an excess loss over the Bayes floor, and draws loss against "
         "time, one panel per link. Example: lowcomm-wallclock --runs 'runs/quickstart/*' --link wan:1G:10ms")
     parser.add_argument("--link", action="append", default=[], metavar="NAME:BANDWIDTH:LATENCY",
-                        help="a link, e.g. wan:1G:10ms or ib:100Gbit:5us (repeatable; default: "
-                             "1 Gbit/s WAN 10 ms, 10 Gbit/s Ethernet 50 us, 100 Gbit/s InfiniBand 5 us)")
+                        help="a link, e.g. wan:1G:10ms or ib:100Gbit:5us, or 'recorded': each run on the links "
+                             "it recorded (cluster.link_rate / slow_link_nodes on network-namespace nodes: its "
+                             "slowest node's rate) (repeatable; default: 1 Gbit/s WAN 10 ms, 10 Gbit/s Ethernet "
+                             "50 us, 100 Gbit/s InfiniBand 5 us)")
     parser.add_argument("--intra-link", metavar="NAME:BANDWIDTH:LATENCY",
                         help="the link inside a node, for FlexDeMo's intra traffic (default: NVLink 3.6T, 3 us)")
     parser.add_argument("--ranks-per-link", type=int, default=1, metavar="N",
@@ -195,14 +197,16 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     from lowcomm.report.wallclock import (
         DEFAULT_LINKS,
         INTRA_NODE,
+        RECORDED,
         default_target,
         parse_link,
+        recorded_link,
         timeline,
         wallclock_table,
     )
 
     try:
-        links = [parse_link(text) for text in args.link] or list(DEFAULT_LINKS)
+        links = [RECORDED if text == RECORDED else parse_link(text) for text in args.link] or list(DEFAULT_LINKS)
         intra = parse_link(args.intra_link) if args.intra_link else INTRA_NODE
     except ValueError as exc:
         parser.error(str(exc))
@@ -213,7 +217,8 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     selection, out_dir = _select(parser, args)
     runs, labels = selection.runs, distinct_labels(selection.runs)
     try:
-        per_link = [[timeline(run, link, intra=intra, ranks_per_link=args.ranks_per_link, slowdown=args.slowdown)
+        per_link = [[timeline(run, recorded_link(run) if link == RECORDED else link, intra=intra,
+                              ranks_per_link=args.ranks_per_link, slowdown=args.slowdown)
                      for run in runs] for link in links]
         target = args.target_excess if args.target_excess is not None else default_target(per_link[0])
         markdown, rows = wallclock_table(per_link, labels, target, args.ranks_per_link)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lowcomm.config.schema import ClusterSpec, ConfigError
+from lowcomm.units import parse_bandwidth
 
 # submitit handles SIGTERM and SIGCONT itself (it ignores the TERM that precedes a preemption
 # kill); KILL and STOP cannot be caught at all.
@@ -58,6 +60,61 @@ def slowdown_errors(cluster: ClusterSpec) -> list[str]:
     return errors
 
 
+# Set by the program that shaped the nodes' links (benchmarks/netns.py: tc on each node's veth),
+# or by a person whose links are what the config says: without it a run asking for shaped links is
+# refused, since lowcomm's launchers shape none.
+LINKS_SHAPED_ENV = "LOWCOMM_LINKS_SHAPED_BY"
+
+
+def link_errors(cluster: ClusterSpec) -> list[str]:
+    """``cluster.link_rate``, ``cluster.slow_link_nodes`` and ``cluster.slow_link_rate``: rates
+    that parse, node indices, a slow rate exactly where slow nodes are named, and someone who
+    made the links so (``$LOWCOMM_LINKS_SHAPED_BY``). Which nodes exist is known where the links
+    are made (:func:`node_link_rates`)."""
+    errors = []
+    if shaped_links(cluster) and not os.environ.get(LINKS_SHAPED_ENV):
+        errors.append("cluster.link_rate / cluster.slow_link_nodes are realised on network-namespace nodes, each "
+                      "node's veth shaped with tc as root (benchmarks/stragglers.py, benchmarks/netns.py, which set "
+                      f"${LINKS_SHAPED_ENV}); lowcomm-train's launchers shape no link: leave them unset, or set "
+                      f"${LINKS_SHAPED_ENV} where the links already are what they say")
+    for key in ("link_rate", "slow_link_rate"):
+        value = getattr(cluster, key)
+        if value is not None:
+            try:
+                parse_bandwidth(value)
+            except ValueError as exc:
+                errors.append(f"cluster.{key}: {exc}")
+    nodes = cluster.slow_link_nodes
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str):
+        return errors + [f"cluster.slow_link_nodes must be a list of node indices, got {nodes!r}"]
+    for node in nodes:
+        if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+            errors.append(f"cluster.slow_link_nodes: {node!r} is not a node index (0, 1, ...)")
+    if len(set(nodes)) != len(nodes):
+        errors.append(f"cluster.slow_link_nodes names a node twice: {list(nodes)}")
+    if bool(nodes) != (cluster.slow_link_rate is not None):
+        errors.append("cluster.slow_link_nodes and cluster.slow_link_rate go together: the nodes whose link is "
+                      "thinner, and its rate (cluster.slow_link_nodes=[3] cluster.slow_link_rate=10M)")
+    return errors
+
+
+def shaped_links(cluster: ClusterSpec) -> bool:
+    """Does the run ask for shaped inter-node links?"""
+    return cluster.link_rate is not None or bool(cluster.slow_link_nodes)
+
+
+def node_link_rates(cluster: ClusterSpec, nodes: int) -> list[float | None]:
+    """Each of ``nodes`` nodes' link rate in bits/s (None: unshaped), as the config asks for it;
+    a ConfigError names a slow node the run does not have."""
+    missing = [node for node in cluster.slow_link_nodes if node >= nodes]
+    if missing:
+        raise ConfigError([f"cluster.slow_link_nodes: {missing} not among the run's {nodes} nodes "
+                           f"(0 ... {nodes - 1})"])
+    base = parse_bandwidth(cluster.link_rate) if cluster.link_rate is not None else None
+    slow = parse_bandwidth(cluster.slow_link_rate) if cluster.slow_link_rate is not None else None
+    return [slow if node in cluster.slow_link_nodes else base for node in range(nodes)]
+
+
 def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     """``cluster.fault_tolerance`` and its settings (lowcomm.comm.ft): torchft runs each local
     worker as a replica group; the quorum's minimum is a number of those groups."""
@@ -85,7 +142,8 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
 
 def cluster_errors(cluster: ClusterSpec) -> list[str]:
     """Every problem of a SLURM profile's fields, each naming its key."""
-    errors: list[str] = collective_timeout_errors(cluster) + slowdown_errors(cluster) + fault_tolerance_errors(cluster)
+    errors: list[str] = (collective_timeout_errors(cluster) + slowdown_errors(cluster) + link_errors(cluster)
+                         + fault_tolerance_errors(cluster))
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
         errors += _int_error(key, getattr(cluster, key), minimum=1)
     for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):

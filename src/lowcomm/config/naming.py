@@ -56,6 +56,9 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
         # the same training on unequal workers is another measurement: its own directory (named
         # as before where every worker is equal)
         semantic["slowdown"] = [sorted(cluster["slow_ranks"]), cluster["slowdown"]]
+    if cluster.get("link_rate") is not None or cluster.get("slow_link_nodes"):  # so are shaped links
+        semantic["links"] = [cluster.get("link_rate"), sorted(cluster.get("slow_link_nodes") or []),
+                             cluster.get("slow_link_rate")]
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]
     if raw["compression"].get("name", "none") != "none":

@@ -114,6 +114,12 @@ class ClusterSpec:
     # lowcomm.train.slowdown); none, every rank at its own speed
     slow_ranks: list[int] = field(default_factory=list)
     slowdown: float = 1.0
+    # unequal links, on network-namespace nodes (benchmarks/netns.py shapes each node's veth with
+    # tc): every node's link rate (e.g. "100M"; None: unshaped), and a rate of its own for the
+    # nodes in slow_link_nodes (e.g. "10M")
+    link_rate: str | None = None
+    slow_link_nodes: list[int] = field(default_factory=list)
+    slow_link_rate: str | None = None
     # workers that leave and rejoin (lowcomm.comm.ft): none, or torchft (each worker a replica
     # group; a lost one stops no other, and is relaunched up to max_rejoins times to heal from a
     # live peer); an exchange commits with min_replicas groups or more; a quorum waits

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from lowcomm.config import ConfigError, validate_optimizer
 from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.report.runs import RunRecord
+from lowcomm.units import parse_bandwidth
 
 MODEL_TEXT = ("step time = compute + max(0, comm - overlap x compute); comm = tx / bandwidth + messages x latency "
               "(tx and messages per rank, as metered; compute measured by the run)")
@@ -101,7 +102,6 @@ DEFAULT_LINKS = (
 )
 INTRA_NODE = Link("NVLink", 3.6e12, 3e-6)
 
-_SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
@@ -122,12 +122,26 @@ def parse_link(text: str) -> Link:
     return Link(name, bits_per_s, float(time.group(1)) * _TIME[time.group(2)])
 
 
-def parse_bandwidth(text: str) -> float:
-    """Bits per second from ``1G``, ``100Mbit``, ``10Mbit/s`` or ``2.5e8``."""
-    match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKMGT]?)(?:bit(?:/s)?|bps)?", text.strip())
-    if match is None:
-        raise ValueError(f"bandwidth {text!r} is not a number of bits/s like 1G or 100Mbit")
-    return float(match.group(1)) * _SI[match.group(2)]
+RECORDED = "recorded"  # lowcomm-wallclock --link recorded: each run on the links it recorded
+
+
+def recorded_link(run: RunRecord) -> Link:
+    """The link a run recorded (:func:`recorded_link_bps`): its rate, with no latency (a shaped
+    veth's tbf adds none) and no framing (the wire's headers per message, which
+    benchmarks/stragglers.py measures from the kernel's counters)."""
+    rate = recorded_link_bps(run)
+    if rate is None:
+        raise ValueError(f"{run.path}: its summary records no shaped links (cluster.link_rate / slow_link_nodes); "
+                         "give --link NAME:BANDWIDTH:LATENCY instead")
+    return Link("as recorded, its slowest node", rate, 0.0)
+
+
+def recorded_link_bps(run: RunRecord) -> float | None:
+    """The rate a run's ring collectives went at where its nodes' links were shaped
+    (``cluster.link_rate``, ``slow_link_nodes``: ``node_link_bps`` in its summary): its slowest
+    node's, since a ring goes at its slowest hop; None where its links were not shaped."""
+    rates = [rate for rate in (run.summary or {}).get("node_link_bps") or [] if rate is not None]
+    return min(rates) if rates else None
 
 
 def step_seconds(compute_s: float, comm_s: float, overlap: float, in_flight_s: float = 0.0) -> float:

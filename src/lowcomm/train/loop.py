@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from lowcomm.comm import Communicator
 from lowcomm.config import RunConfig
+from lowcomm.config.cluster import LINKS_SHAPED_ENV, node_link_rates, shaped_links
 from lowcomm.data import BatchOrder, open_data, validation_indices
 from lowcomm.distenv import DistEnv
 from lowcomm.hardware import bf16_peak_flops
@@ -204,6 +205,10 @@ class Trainer:
         self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.shard,
                                 self.world_size, train.micro_batch_size, seed=run.seed)
         self.slowdown = Slowdown.of_rank(run.cluster.slow_ranks, run.cluster.slowdown, self.shard)
+        # each node's link rate where the run's links are shaped (on network-namespace nodes: the
+        # config is checked against the nodes here, before a step, where they are known)
+        self.node_links = (node_link_rates(run.cluster, max(1, self.env.world_size // self.env.local_world_size))
+                           if shaped_links(run.cluster) else None)
         if self.group is not None:
             self.group.serve(self.model, self.optimizer, self.strategy.heal_sends_model)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
@@ -482,6 +487,9 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             **self._utilisation(tokens_per_s),
             **self._unequal_workers(),
+            **({"link_rate": self.run.cluster.link_rate, "slow_link_nodes": list(self.run.cluster.slow_link_nodes),
+                "slow_link_rate": self.run.cluster.slow_link_rate, "node_link_bps": self.node_links,
+                "links_shaped_by": os.environ.get(LINKS_SHAPED_ENV)} if self.node_links is not None else {}),
         }
 
     def _unequal_workers(self) -> dict:
