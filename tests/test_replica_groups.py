@@ -57,6 +57,11 @@ def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_start
 @pytest.mark.parametrize(("overrides", "error"), [
     (["compression=quantize"], "dense exchange only (compression=none)"),
     (["cluster.min_replicas=3"], "cluster.min_replicas (3) is more than the run's replica groups"),
+    (["cluster.workers=4", "cluster.ranks_per_group=2", "cluster.min_replicas=3"],
+     "cluster.min_replicas (3) is more than the run's replica groups (2: cluster.workers=4 in groups of 2)"),
+    (["cluster.workers=3", "cluster.ranks_per_group=2"], "cluster.workers (3) must be a multiple of cluster.ranks_per_group"),
+    (["cluster.ranks_per_group=0"], "cluster.ranks_per_group must be an integer >= 1"),
+    (["cluster.fault_tolerance=none", "cluster.ranks_per_group=2"], "only cluster.fault_tolerance=torchft has"),
     (["cluster.fault_tolerance=always"], "cluster.fault_tolerance must be one of: none, torchft"),
     (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
     (["cluster=slurm_debug"], "runs under the local launcher"),
@@ -114,6 +119,28 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
             assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
         assert summary["payload_MB_per_step"] == pytest.approx(expected["payload_MB_per_step"])
         assert summary["world_size"] == 2 and summary["heal_rx_MB"] == summary["heal_tx_MB"] == 0
+
+
+@pytest.mark.slow
+def test_groups_of_two_ranks_that_lose_nobody_train_what_four_plain_ranks_train(tmp_path, trained_run):
+    """Two groups of two ranks (cluster.ranks_per_group=2: a node's ranks on a cluster): each
+    rank all-reduces with its place in the other group, then within its group."""
+    plain = trained_run("optimizer=diloco", *_dense("diloco"), workers=4)
+    groups = validate(compose([*TINY, *SMALL_SYNTHETIC, f"run_root={tmp_path}", "cluster.workers=4",
+                               "cluster.ranks_per_group=2", "train.max_steps=6", "optimizer=diloco",
+                               *_dense("diloco"), *TORCHFT]))
+    launch_local(groups)
+    expected = RunDir(plain.run_dir).read_summary()
+    params = expected["parameters"]
+    for replica in (0, 1):
+        summary = RunDir(replica_run_dir(groups.run_dir, replica)).read_summary()
+        assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
+        assert summary["world_size"] == 4 and summary["payload_MB_per_step"] == expected["payload_MB_per_step"]
+        # by hand: two outer steps in 6, each fp32 tensor once in a ring of the 2 groups (P) and
+        # once in the group's ring of 2 (P); the plain run's ring of 4 carries 2 x 3/4 P
+        assert summary["tx_MB_per_step"] * 1e6 * 6 == pytest.approx(2 * (4 * params + 4 * params), rel=1e-6)
+        assert expected["tx_MB_per_step"] * 1e6 * 6 == pytest.approx(2 * 1.5 * 4 * params, rel=1e-6)
+    assert json.loads((Path(groups.run_dir) / "torchft.json").read_text())["ranks_per_group"] == 2
 
 
 # ------------------------------------------------------------------ one exchange, two groups
@@ -219,8 +246,9 @@ def test_streaming_diloco_group_rejoining_at_another_phase_sends_the_peers_fragm
 
 
 # ------------------------------------------------------------------ a run that loses a group
-RUN = [*TINY, *SMALL_SYNTHETIC, "optimizer=diloco", "optimizer.sync_every=5", "cluster.workers=2", *TORCHFT,
-       "train.max_steps=120", "train.checkpoint_every=10", "train.eval_every=40"]
+# two groups of two ranks (a group of one rank is lost and back in tests/test_churn.py)
+RUN = [*TINY, *SMALL_SYNTHETIC, "optimizer=diloco", "optimizer.sync_every=5", "cluster.workers=4",
+       "cluster.ranks_per_group=2", *TORCHFT, "train.max_steps=120", "train.checkpoint_every=10", "train.eval_every=40"]
 def _records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
@@ -239,21 +267,21 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_rejoins_on_the_others_m
     # group 0 computes 3 times slower (cluster.slowdown: it sleeps, its heartbeat goes on), so that
     # it is still training when group 1 has started again on busy cores (a group whose peers have
     # all finished goes on alone, on a model of its own)
-    churn = [*RUN, "cluster.slow_ranks=[0]", "cluster.slowdown=3", f"run_root={tmp_path / 'churn'}"]
+    churn = [*RUN, "cluster.slow_ranks=[0,1]", "cluster.slowdown=3", f"run_root={tmp_path / 'churn'}"]
     run = validate(compose(churn))
     proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.train", *churn],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     group0, group1 = replica_run_dir(run.run_dir, 0), replica_run_dir(run.run_dir, 1)
     deadline = time.monotonic() + 240
-    while _steps_trained(group1) < 12 or len(worker_pids(run.run_dir)) < 2:
+    while _steps_trained(group1) < 12 or len(worker_pids(run.run_dir)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     killed_at = _steps_trained(group1)
-    os.kill(worker_pids(run.run_dir)[1], signal.SIGKILL)
+    os.kill(worker_pids(run.run_dir)[3], signal.SIGKILL)  # group 1's second rank: the group is lost
     out, err = proc.communicate(timeout=240)
 
     assert proc.returncode == 0, out + err
-    assert "[lowcomm] replica group 1 left (killed by SIGKILL); starting it again to rejoin" in out
+    assert "[lowcomm] replica group 1 (its rank 1) left (killed by SIGKILL); starting it again to rejoin" in out
     # group 0 was never stopped: one start, and a record of every step in order
     assert out.count(f"[lowcomm] {run.run_name}: starting") == 1
     steps0 = [record["step"] for record in _records(group0) if "train/loss" in record]
@@ -266,7 +294,8 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_rejoins_on_the_others_m
     heals = [record for record in _records(group1) if record.get("event") == "heal"]
     for heal in heals:
         assert heal["step"] > killed_at and f"rejoined and healed from a live peer at step {heal['step']}" in out
-    # a heal's bytes, on both ends: the outer state of DiLoCo at a boundary (global copy, outer
+    # a heal's bytes, on both ends (each rank of the group heals from its place in the other, and
+    # a summary is its rank 0's): the outer state of DiLoCo at a boundary (global copy, outer
     # momentum, AdamW's two moments: 4 x the parameters in fp32, and AdamW's step, a 4-byte
     # tensor per parameter tensor); the model's own parameters are the global copy there
     summary0, summary1 = RunDir(group0).read_summary(), RunDir(group1).read_summary()
@@ -282,6 +311,8 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_rejoins_on_the_others_m
     assert summary0["final_val_loss"] == summary1["final_val_loss"]
     assert summary0["final_val_loss"] == pytest.approx(final, abs=0.1)
     assert json.loads((Path(run.run_dir) / "torchft.json").read_text())["replica_groups"] == 2
+    # group 1's two ranks started twice (the launch and the rejoin), group 0's once
+    assert out.count(f"[lowcomm] {run.run_name}-replica1: ") >= 2
     # each group's directory is a run directory the reports read; a heal is marked on its curves
     records = [load_run(group0), load_run(group1)]
     marked = [(step, event) for step, event in records[1].membership_changes() if event == "heal"]

@@ -113,24 +113,37 @@ class ReplicaGroups(Communicator):
     averaging (or summing) all-reduce between :meth:`begin_exchange` and :meth:`commit` (the
     DiLoCo family's outer step, the DDP methods' gradients); any other raises, naming itself.
 
+    A group of several ranks (a node's: ``members``, the Communicator of its own process group)
+    exchanges as torchft's HSDP does: each rank all-reduces with the rank of the same place in
+    every other live group (a Manager per rank; the group's rank 0 meets the lighthouse, the
+    others learn the quorum through the group's ``store``), then within its group, so that every
+    rank holds the sum over all contributing ranks.
+
     Args:
         replica / replicas: this group's index, and the number of groups the run has.
         lighthouse: the job's lighthouse address (``host:port``).
         min_replicas: the fewest groups an exchange commits with.
         meter: where bytes go (the training loop's).
         timeout: a collective's or a heal's wait; ``quorum_timeout``: a quorum's.
+        members: this group's own ranks (None: a group of one rank).
+        store: ``(host, port)`` of a TCP store the group's ranks share (with ``members``).
     """
 
     replica_groups = True
 
     def __init__(self, replica: int, replicas: int, *, lighthouse: str, min_replicas: int, meter: CommMeter,
                  device: torch.device | str = "cpu", timeout: datetime.timedelta = datetime.timedelta(seconds=60),
-                 quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=300), run_id: str = "lowcomm"):
+                 quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=300), run_id: str = "lowcomm",
+                 members: Communicator | None = None, store: tuple[str, int] | None = None):
         quiet_torchft()
         if torch.device(device).type != "cpu":
             raise RuntimeError(f"replica groups exchange over gloo on the CPU; this worker's device is {device} "
                                "(set cluster.device=cpu with cluster.fault_tolerance=torchft)")
         super().__init__(meter=meter, device=device, timeout=timeout)  # no group: the Manager's is the one
+        if members is not None and members.world_size > 1 and store is None:
+            raise ValueError("a replica group of several ranks needs the TCP store they share (store=)")
+        self.members = members if members is not None and members.world_size > 1 else None
+        self._group_store = store
         self.served = self.control_served = {"cpu": "gloo"}
         self.rank = self.global_rank = replica
         self.replicas = self.world_size = replicas
@@ -165,14 +178,18 @@ class ReplicaGroups(Communicator):
             from torchft.process_group import ProcessGroupGloo
 
             args, timeout = self._manager_args, self._manager_args["timeout"]
-            # the group's own store (a group of one rank here; the ranks of a node on a cluster),
-            # by its host's name: the groups of a quorum meet at its primary's store
             host = socket.gethostname()
-            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            if self.members is None:
+                # a group of one rank: a store of its own, by its host's name (the groups of a
+                # quorum meet at its primary's store)
+                self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+                store_addr, store_port, rank, world = host, self._store.port, 0, 1
+            else:  # the ranks of a group share theirs; its rank 0's Manager meets the lighthouse
+                (store_addr, store_port), rank, world = self._group_store, self.members.rank, self.members.world_size
             self._manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state, state_dict=self._state,
-                use_async_quorum=False, connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
-                store_port=self._store.port, hostname=host, checkpoint_transport=metered_transport(self.meter, timeout),
+                use_async_quorum=False, connect_timeout=timeout, rank=rank, world_size=world, store_addr=store_addr,
+                store_port=store_port, hostname=host, checkpoint_transport=metered_transport(self.meter, timeout),
                 init_sync=False, **args)
         return self._manager
 
@@ -237,19 +254,26 @@ class ReplicaGroups(Communicator):
         return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM if op in ("sum", "avg") else _unsupported(op))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
-        """Sum over the live groups; ``op="avg"`` divides by the groups that contributed."""
+        """Sum over the live groups' ranks; ``op="avg"`` divides by the ranks that contributed
+        (the contributing groups' ranks)."""
         self._route("all_reduce", purpose, tensor)
         if not self.contributing and purpose == "data":
             tensor.zero_()  # what this group computed before its heal belongs to no one's step
         payload = nbytes(tensor)
         self._record("all_reduce", payload, ring_all_reduce_traffic(payload, self.world_size), purpose)
+        ranks = self.members.world_size if self.members is not None else 1
         if self.world_size <= 1:
-            if op == "avg":
-                tensor.div_(max(self.contributors, 1))
-            return DoneWork([tensor]) if async_op else None
-        work = self._issue(tensor, op)
+            work = DoneWork([tensor])
+        else:
+            work = self._issue(tensor, op)
+        if self.members is not None:
+            # then within the group: the same payload again, so only its ring's wire bytes count
+            work.wait()
+            self._record("all_reduce", 0, ring_all_reduce_traffic(payload, ranks), purpose)
+            torch.distributed.all_reduce(tensor, group=self.members.group)
+            work = DoneWork([tensor])
         if op == "avg":
-            work = _Averaged(work, tensor, self.contributors)
+            work = _Averaged(work, tensor, self.contributors * ranks)
         if async_op:
             return work
         work.wait()

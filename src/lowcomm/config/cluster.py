@@ -121,11 +121,15 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     mode = cluster.fault_tolerance
     if mode not in ("none", "torchft"):
         return [f"cluster.fault_tolerance must be one of: none, torchft; got {mode!r}"]
-    errors = _int_error("min_replicas", cluster.min_replicas, minimum=1) + \
-        _int_error("max_rejoins", cluster.max_rejoins, minimum=0)
+    errors = (_int_error("min_replicas", cluster.min_replicas, minimum=1)
+              + _int_error("max_rejoins", cluster.max_rejoins, minimum=0)
+              + _int_error("ranks_per_group", cluster.ranks_per_group, minimum=1))
     wait = cluster.join_timeout_s
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not math.isfinite(wait) or wait <= 0:
         errors.append(f"cluster.join_timeout_s must be a positive number of seconds, got {wait!r}")
+    if mode == "none" and not errors and cluster.ranks_per_group != 1:
+        errors.append(f"cluster.ranks_per_group={cluster.ranks_per_group} groups ranks into replica groups, which "
+                      "only cluster.fault_tolerance=torchft has")
     if mode == "none" or errors:
         return errors
     if cluster.launcher != "local":
@@ -134,9 +138,13 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     elif cluster.device == "cuda":
         errors.append("cluster.fault_tolerance=torchft exchanges between replica groups over gloo on the CPU: set "
                       "cluster.device=cpu")
-    elif cluster.min_replicas > cluster.workers:
+    elif cluster.workers % cluster.ranks_per_group:
+        errors.append(f"cluster.workers ({cluster.workers}) must be a multiple of cluster.ranks_per_group "
+                      f"({cluster.ranks_per_group}): every replica group has as many ranks")
+    elif cluster.min_replicas > cluster.workers // cluster.ranks_per_group:
         errors.append(f"cluster.min_replicas ({cluster.min_replicas}) is more than the run's replica groups "
-                      f"(cluster.workers={cluster.workers}): no exchange could ever commit")
+                      f"({cluster.workers // cluster.ranks_per_group}: cluster.workers={cluster.workers} in groups of "
+                      f"{cluster.ranks_per_group}): no exchange could ever commit")
     return errors
 
 

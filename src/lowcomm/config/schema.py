@@ -125,6 +125,7 @@ class ClusterSpec:
     # live peer); an exchange commits with min_replicas groups or more; a quorum waits
     # join_timeout_s for groups beyond them
     fault_tolerance: str = "none"
+    ranks_per_group: int = 1  # the local launcher's workers in groups of this many ranks (a node's)
     min_replicas: int = 1
     join_timeout_s: float = 10.0
     max_rejoins: int = 3

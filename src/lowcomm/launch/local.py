@@ -238,6 +238,17 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
     world = run.cluster.workers
     store = rendezvous_store(world, run.cluster.collective_timeout_s)
     lighthouse = replica_lighthouse(run)
+    # replica groups of several ranks meet in process groups of their own, each at its own store
+    # (a new one when a group starts again: a store keeps the keys of the group that used it)
+    ranks = run.cluster.ranks_per_group if lighthouse is not None else 1
+    group_stores: dict[int, dist.TCPStore] = {}
+
+    def fresh_store(group: int) -> None:
+        group_stores[group] = rendezvous_store(ranks, run.cluster.collective_timeout_s)
+
+    if ranks > 1:
+        for group in range(world // ranks):
+            fresh_store(group)
     with tempfile.TemporaryDirectory(prefix="lowcomm-words-") as words_dir:
         base_env = {**os.environ, **(extra_env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                     USE_LAUNCHER_STORE: "True", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
@@ -246,6 +257,8 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
 
         def start(rank: int) -> subprocess.Popen:
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            if ranks > 1:
+                env["MASTER_PORT"] = str(group_stores[rank // ranks].port)
             return subprocess.Popen([sys.executable, "-m", "lowcomm.train.worker", str(config_path)],
                                     env=env, preexec_fn=_die_with_parent)
 
@@ -253,7 +266,8 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
         try:
             procs.extend(start(rank) for rank in range(world))
             before = _newest_checkpoint(run.run_dir)
-            rejoin = None if lighthouse is None else Rejoins(start, run.cluster.max_rejoins, Path(words_dir))
+            rejoin = None if lighthouse is None else Rejoins(start, run.cluster.max_rejoins, Path(words_dir),
+                                                             ranks_per_group=ranks, fresh_store=fresh_store)
             try:
                 _wait_all(procs, Path(words_dir), run.run_dir, rejoin)
             except (KeyboardInterrupt, Terminated, _StoppedBySignal) as exc:
@@ -267,6 +281,7 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
         finally:
             _stop_all(procs)
             del store
+            group_stores.clear()
             if lighthouse is not None:
                 lighthouse.shutdown()
     return run.run_dir
@@ -278,12 +293,14 @@ def replica_lighthouse(run: RunConfig):
     if run.cluster.fault_tolerance != "torchft":
         return None
     cluster = run.cluster
+    groups = cluster.workers // cluster.ranks_per_group
     lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
     write_json_atomic(Path(run.run_dir) / FT_RECORD, {
-        "lighthouse": lighthouse.address(), "replica_groups": cluster.workers, "min_replicas": cluster.min_replicas,
-        "join_timeout_s": cluster.join_timeout_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-        "max_rejoins": cluster.max_rejoins})
-    print(f"[lowcomm] torchft: {cluster.workers} replica groups, lighthouse at {lighthouse.address()}; an exchange "
+        "lighthouse": lighthouse.address(), "replica_groups": groups, "ranks_per_group": cluster.ranks_per_group,
+        "min_replicas": cluster.min_replicas, "join_timeout_s": cluster.join_timeout_s,
+        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "max_rejoins": cluster.max_rejoins})
+    of = f" of {cluster.ranks_per_group} ranks" if cluster.ranks_per_group > 1 else ""
+    print(f"[lowcomm] torchft: {groups} replica groups{of}, lighthouse at {lighthouse.address()}; an exchange "
           f"commits with {cluster.min_replicas} or more, a lost group is relaunched to rejoin (at most "
           f"{cluster.max_rejoins} times)", flush=True)
     return lighthouse
@@ -298,23 +315,35 @@ HEARTBEAT_TIMEOUT_S = 5.0
 class Rejoins:
     """Under torchft: a replica group that failed is started again (it resumes from its own
     checkpoint, and heals from a live peer at its next exchange), at most ``limit`` times in all;
-    the other groups never stop."""
+    the other groups never stop. A group of several ranks (``ranks_per_group``) is one: when a
+    rank of it fails, its other ranks are stopped, and all of them start again together, at a
+    store of their own (``fresh_store(group)``)."""
 
-    def __init__(self, start, limit: int, words_dir: Path):
+    def __init__(self, start, limit: int, words_dir: Path, *, ranks_per_group: int = 1, fresh_store=None):
         self.start, self.left, self.words_dir = start, limit, words_dir
+        self.ranks, self.fresh_store = ranks_per_group, fresh_store
 
     def __call__(self, procs: list[subprocess.Popen], failures: dict[int, int]) -> bool:
         """Start the failed groups again; False when the limit is spent (the launch then fails)."""
-        if len(failures) > self.left:
+        groups = sorted({rank // self.ranks for rank in failures})
+        if len(groups) > self.left:
             return False
-        for rank, code in sorted(failures.items()):
+        for group in groups:
+            members = range(group * self.ranks, (group + 1) * self.ranks)
+            rank, code = next((rank, failures[rank]) for rank in members if rank in failures)
             words = _read_words(self.words_dir, rank)
-            words_file(self.words_dir, rank).unlink(missing_ok=True)
+            for member in members:
+                words_file(self.words_dir, member).unlink(missing_ok=True)
             self.left -= 1
             why = f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
-            print(f"[lowcomm] replica group {rank} left ({why}" + (f": {words['cause']}" if words else "")
+            who = f"replica group {group}" + (f" (its rank {rank - group * self.ranks})" if self.ranks > 1 else "")
+            print(f"[lowcomm] {who} left ({why}" + (f": {words['cause']}" if words else "")
                   + f"); starting it again to rejoin ({self.left} more allowed); the other groups go on", flush=True)
-            procs[rank] = self.start(rank)
+            _stop_all([procs[member] for member in members])
+            if self.fresh_store is not None and self.ranks > 1:
+                self.fresh_store(group)
+            for member in members:
+                procs[member] = self.start(member)
         return True
 
 

@@ -32,7 +32,7 @@ from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
-from lowcomm.train.replicas import ReplicaGroup
+from lowcomm.train.replicas import ReplicaGroup, group_env
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 from lowcomm.train.slowdown import Slowdown
 
@@ -177,12 +177,17 @@ class Trainer:
         self.clock = DeviceClock(self.device)
         self.group: ReplicaGroup | None = None
         if run.cluster.fault_tolerance == "torchft":
-            # one replica group per worker: the loop's collectives are the group's own (one
-            # rank: none), and only the method's exchange reaches the other groups
-            self.comm = Communicator(device=self.device, timeout=timeout)
-            self.group = ReplicaGroup(run, env, self.comm.meter, self.device)
+            # replica groups of cluster.ranks_per_group ranks: the loop's collectives are the
+            # group's own (one rank: none), and only the method's exchange reaches the other groups
+            ranks = run.cluster.ranks_per_group
+            if ranks > 1:
+                init_distributed(group_env(env, ranks), self.device, timeout)
+                self.comm = Communicator.world(self.device, timeout=timeout)
+            else:
+                self.comm = Communicator(device=self.device, timeout=timeout)
+            self.group = ReplicaGroup(run, env, self.comm, self.device)
             self.exchange, self.run_dir = self.group.exchange, self.group.run_dir
-            self.shard, self.world_size = self.group.replica, self.group.replicas
+            self.shard, self.world_size = self.group.replica * ranks + self.comm.rank, self.group.replicas * ranks
         else:
             init_distributed(env, self.device, timeout)
             self.comm = self.exchange = Communicator.world(self.device, timeout=timeout)
@@ -281,7 +286,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             where = restored.describe() if restored else "starting"
             workers = (f"{self.comm.world_size} workers" if self.group is None else
-                       f"replica group {self.group.replica} of {self.world_size} (torchft)")
+                       f"replica group {self.group.replica} of {self.group.replicas}"
+                       + (f", {self.comm.world_size} ranks" if self.comm.world_size > 1 else "") + " (torchft)")
             print(f"[lowcomm] {self.record_name}: {where}; {self.n_params:,} params, {workers} "
                   f"on {self.device.type}, data {self.data.description}", flush=True)
         writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=self.record_name,

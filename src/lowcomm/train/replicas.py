@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from lowcomm.comm import Communicator
 from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups
-from lowcomm.comm.meter import CommMeter
 from lowcomm.config import RunConfig
-from lowcomm.distenv import DistEnv
+from lowcomm.distenv import DistEnv, rendezvous_address
 from lowcomm.rundir import RunDir
 
 # A checkpoint's or a heal's record of the loop's step (the steps a group has done)
@@ -36,19 +36,31 @@ def replica_run_dir(run_dir: str | Path, replica: int) -> Path:
     return run_dir if replica == 0 else run_dir / "replicas" / str(replica)
 
 
+def group_env(env: DistEnv, ranks_per_group: int) -> DistEnv:
+    """A worker's place in its replica group: ranks ``g * R ... g * R + R - 1`` of the launch
+    (``env``) are group g's ranks 0 ... R - 1."""
+    return DistEnv(rank=env.rank % ranks_per_group, world_size=ranks_per_group, local_rank=env.local_rank,
+                   local_world_size=min(env.local_world_size, ranks_per_group))
+
+
 class ReplicaGroup:
     """This worker's replica group: its index, its run directory and its exchange with the
-    other groups (:class:`~lowcomm.comm.ft.ReplicaGroups`), and the state a heal moves."""
+    other groups (:class:`~lowcomm.comm.ft.ReplicaGroups`), and the state a heal moves.
+    ``members``: the Communicator of the group's own ranks (``cluster.ranks_per_group``; rank
+    r of the launch is rank r mod R of group r // R), whose process group meets at the store the
+    launcher made for the group (``MASTER_ADDR``/``MASTER_PORT``)."""
 
-    def __init__(self, run: RunConfig, env: DistEnv, meter: CommMeter, device: torch.device):
+    def __init__(self, run: RunConfig, env: DistEnv, members: Communicator, device: torch.device):
         lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse address in ${LIGHTHOUSE_ENV} "
                                "(lowcomm's launcher starts one per job and sets it)")
-        self.replica, self.replicas, self.lighthouse = env.rank, env.world_size, lighthouse
+        ranks = run.cluster.ranks_per_group
+        self.replica, self.replicas, self.lighthouse = env.rank // ranks, env.world_size // ranks, lighthouse
+        self.members = members
         self.shared_dir = Path(run.run_dir)  # the run's, where the groups of a launch meet
         self.run_dir = replica_run_dir(run.run_dir, self.replica)
-        if self.replica:  # a run directory of its own, which the reports can read as one
+        if self.replica and members.rank == 0:  # a run directory of its own, which the reports can read as one
             self.run_dir.mkdir(parents=True, exist_ok=True)
             config = RunDir(run.run_dir).config
             copy = RunDir(self.run_dir).config
@@ -56,8 +68,9 @@ class ReplicaGroup:
             os.replace(copy.with_suffix(".tmp"), copy)
         timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
         self.exchange = ReplicaGroups(self.replica, self.replicas, lighthouse=lighthouse,
-                                      min_replicas=run.cluster.min_replicas, meter=meter, device=device,
-                                      timeout=timeout, quorum_timeout=timeout, run_id=run.run_name)
+                                      min_replicas=run.cluster.min_replicas, meter=members.meter, device=device,
+                                      timeout=timeout, quorum_timeout=timeout, run_id=run.run_name,
+                                      members=members, store=rendezvous_address() if members.world_size > 1 else None)
         self._healed_to: int | None = None
 
     def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sends_model) -> None:
@@ -91,9 +104,9 @@ class ReplicaGroup:
         launch = re.sub(r"[^A-Za-z0-9]+", "_", self.lighthouse).strip("_")
         here = self.shared_dir / "replicas" / ".ready" / launch
         here.mkdir(parents=True, exist_ok=True)
-        (here / str(self.replica)).touch()
+        (here / f"{self.replica}.{self.members.rank}").touch()
         deadline = time.monotonic() + timeout_s
-        while len(list(here.iterdir())) < self.replicas and time.monotonic() < deadline:
+        while len(list(here.iterdir())) < self.replicas * self.members.world_size and time.monotonic() < deadline:
             time.sleep(0.05)
 
     @property
