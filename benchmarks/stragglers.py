@@ -47,8 +47,9 @@ from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
 from lowcomm.report.runs import load_run
-from lowcomm.report.wallclock import compute_seconds_per_step, parse_bandwidth, recorded_link_bps, timeline
+from lowcomm.report.wallclock import compute_seconds_per_step, recorded_link_bps, timeline
 from lowcomm.strategies import STRATEGIES
+from lowcomm.units import parse_bandwidth
 
 # the synchronous and local-update methods issue 47 compares, each with its quickstart settings
 METHODS = ("adamw_ddp", "diloco", "streaming_diloco", "eager_diloco", "noloco")
@@ -131,14 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     with Nodes(args.nodes, 1) as topology:
         namespaces = topology.namespaces()
         for case in cases:
-            if case == "unshaped":
-                shaped[case] = topology.limit(None)
             print(f"[stragglers] {case}", flush=True)
             for method in args.methods:
                 print(f"[stragglers]   {_label(method)} ({time.perf_counter() - started:.0f} s)", flush=True)
                 overrides = _overrides(method, case, args)
                 before = topology.carried()
-                shaped[case] = topology.train(overrides) or shaped.get(case)
+                shaped[case] = topology.train(overrides)  # each node's veth as the run's config has it
                 carried[method][case] = topology.carried() - before
                 runs[method][case] = load_run(validate(compose(overrides)).run_dir)
 

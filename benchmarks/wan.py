@@ -69,7 +69,7 @@ from netns import NODE_INTERFACE, limit_rate, loopback_tx_bytes, network_namespa
 
 from lowcomm.comm.meter import ring_inter_node_share
 from lowcomm.config import validate
-from lowcomm.config.cluster import LINKS_SHAPED_ENV, node_link_rates, shaped_links
+from lowcomm.config.cluster import LINKS_SHAPED_ENV, node_link_rates
 from lowcomm.config.compose import compose
 from lowcomm.launch.local import prepare_run_dir
 from lowcomm.report.figures import FAMILY_MARKERS, run_colors
@@ -79,6 +79,7 @@ from lowcomm.strategies import STRATEGIES
 
 WORLD = 4 if (os.cpu_count() or 1) >= 4 else 2  # a core per worker; the quickstart's batch takes 1, 2 or 4
 TARGET = 0.25
+SHAPED_BY = "benchmarks/wan.py's Nodes (tc on each network-namespace node's veth)"
 OPTIMIZERS = {
     "AdamW-DDP": ["optimizer=adamw_ddp", "optimizer.lr=6e-3"],
     "DeMo k=32": ["optimizer=demo", "optimizer.lr=6e-3"],
@@ -136,6 +137,10 @@ class OneNode:
     def limit(self, bits_per_s: float | None) -> str:
         return limit_rate(self.namespace, bits_per_s)
 
+    def link_overrides(self, bits_per_s: float | None) -> list[str]:  # noqa: ARG002
+        """None: one node has no link to another; its loopback is shaped by :meth:`limit`."""
+        return []
+
     def carried(self) -> int:
         """Bytes on the shaped link so far."""
         return loopback_tx_bytes(self.namespace)
@@ -168,8 +173,11 @@ class Nodes:
     def __enter__(self):
         self.network = self._stack.enter_context(node_network(self.nodes, prefix="lcwan"))
         # the runs' cluster.link_rate / slow_link_nodes are realised here (train): this process
-        # and its workers say so, and their configs validate
-        os.environ.setdefault(LINKS_SHAPED_ENV, "benchmarks/netns.py (tc on each node's veth)")
+        # and its workers say so while the nodes exist, and their configs validate
+        before = os.environ.get(LINKS_SHAPED_ENV)
+        os.environ[LINKS_SHAPED_ENV] = SHAPED_BY
+        self._stack.callback(lambda: os.environ.pop(LINKS_SHAPED_ENV) if before is None
+                             else os.environ.__setitem__(LINKS_SHAPED_ENV, before))
         return self
 
     def __exit__(self, *exc):
@@ -184,7 +192,16 @@ class Nodes:
         return [node.namespace for node in self.network]
 
     def limit(self, bits_per_s: float | None) -> str:
-        return "; ".join(f"{node.hostname}: {node.limit_rate(bits_per_s) or 'no qdisc'}" for node in self.network)
+        """Every node's veth at ``bits_per_s`` (None: unshaped); the kernel's account of them."""
+        return self._shape([bits_per_s] * self.nodes)
+
+    def _shape(self, rates: list[float | None]) -> str:
+        return "; ".join(f"{node.hostname}: {node.limit_rate(rate) or 'no qdisc'}"
+                         for node, rate in zip(self.network, rates, strict=True))
+
+    def link_overrides(self, bits_per_s: float | None) -> list[str]:
+        """A run's settings for every node's link at ``bits_per_s`` (what :meth:`train` shapes)."""
+        return [] if bits_per_s is None else [f"cluster.link_rate={bits_per_s:g}"]
 
     def carried(self) -> int:
         """Bytes on the shaped links (every node's veth) so far."""
@@ -197,16 +214,12 @@ class Nodes:
         for each of its ranks, would put nodes x cores threads on the cores, and an oversubscribed
         thread pool spins: it made the local-update methods' steps 2.5-7x AdamW-DDP's).
 
-        Where the run's config shapes the links (``cluster.link_rate``, ``slow_link_nodes``,
-        ``slow_link_rate``), each node's veth is shaped so first, and the kernel's account of the
-        qdiscs is returned; otherwise the links stay as they are (:meth:`limit`), and None."""
+        Each node's veth is shaped first as the run's config says (``cluster.link_rate``,
+        ``slow_link_nodes``, ``slow_link_rate``; none of them: unshaped), and the kernel's account
+        of the qdiscs is returned."""
         threads = max(1, (os.cpu_count() or 1) // self.workers)
         run = validate(compose([*overrides, f"cluster.threads_per_worker={threads}"]))
-        shaped = None
-        if shaped_links(run.cluster):
-            rates = node_link_rates(run.cluster, self.nodes)
-            shaped = "; ".join(f"{node.hostname}: {node.limit_rate(rate) or 'no qdisc'}"
-                               for node, rate in zip(self.network, rates, strict=True))
+        shaped = self._shape(node_link_rates(run.cluster, self.nodes))
         config_path = prepare_run_dir(run)
         procs = []
         for index, node in enumerate(self.network):
@@ -326,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = {}
             for label in optimizers:
                 print(f"[wan]   {label} ({time.perf_counter() - started:.0f} s)", flush=True)
-                overrides = _overrides(label, args.steps, args.work / name, topology.workers)
+                overrides = [*_overrides(label, args.steps, args.work / name, topology.workers),
+                             *topology.link_overrides(rate)]
                 before = topology.carried()
                 topology.train(overrides)
                 carried = topology.carried() - before

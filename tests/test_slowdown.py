@@ -8,6 +8,7 @@ the links are made so (network-namespace nodes; tests/test_stragglers.py shapes 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -140,7 +141,9 @@ def test_each_nodes_rate_and_a_slow_node_the_run_lacks(monkeypatch):
     assert node_link_rates(only_slow, 2) == [1e9, None]  # the other node unshaped
     # another measurement, its own directory; the equal run keeps its name
     equal = validate(compose([])).run_name
-    assert validate(compose(["cluster.link_rate=100M"])).run_name != equal
+    linked = validate(compose(["cluster.link_rate=100M"])).run_name
+    assert linked != equal
+    assert validate(compose(["cluster.link_rate=100Mbit"])).run_name == validate(compose(["cluster.link_rate=1e8"])).run_name == linked
 
 
 @pytest.mark.slow
@@ -154,20 +157,25 @@ def test_a_run_records_its_links_and_the_wallclock_model_takes_them(trained_run,
     summary = RunDir(linked.run_dir).read_summary()
     assert summary["node_link_bps"] == [100e6]  # two ranks on one node here: one link
     assert (summary["link_rate"], summary["links_shaped_by"]) == ("100M", SHAPED_BY)
-    # the links change when, not what
+    # the setting leaves the training as it was (the same losses)
     losses = [r["train/loss"] for r in RunDir(linked.run_dir).read_metrics() if "train/loss" in r]
     assert losses == [r["train/loss"] for r in RunDir(equal.run_dir).read_metrics() if "train/loss" in r]
     run = load_run(linked.run_dir)
-    link = recorded_link(run)
+    link = recorded_link([run])
     assert (link.bandwidth_bps, link.latency_s, link.framing_bytes) == (100e6, 0.0, 0.0)
     # AdamW-DDP's step is its compute plus its traffic at the recorded rate
     model = timeline(run, link)
     assert model.total_s > 6 * model.compute_s_per_step
     with pytest.raises(ValueError, match="records no shaped links"):
-        recorded_link(load_run(equal.run_dir))
+        recorded_link([run, load_run(equal.run_dir)])
+    # runs on different links are not placed on one (each panel is one link)
+    thinner = dataclasses.replace(run, path=run.path.with_name("thinner"),
+                                  summary={**run.summary, "node_link_bps": [100e6, 10e6]})
+    with pytest.raises(ValueError, match=r"different links \(10 Mbit/s: .*thinner; 100 Mbit/s: "):
+        recorded_link([run, thinner])
     # lowcomm-wallclock --link recorded: each run on its own links
     from lowcomm.cli.report import wallclock_main
 
     assert wallclock_main(["--runs", str(linked.run_dir), "--link", "recorded", "--out", str(tmp_path)]) == 0
-    assert "### as recorded, its slowest node (100 Mbit/s, 0 µs per message)" in (tmp_path / "wallclock.md").read_text()
+    assert "### recorded 100 Mbit/s (the slowest node's)" in (tmp_path / "wallclock.md").read_text()
     assert wallclock_main(["--runs", str(equal.run_dir), "--link", "recorded", "--out", str(tmp_path)]) == 2

@@ -44,7 +44,7 @@ def test_a_slow_node_and_a_thin_link_on_two_nodes(tmp_path):
     summary = json.loads(slow_link_summary.read_text())
     assert summary["node_link_bps"] == [100e6, 10e6] and summary["slow_link_nodes"] == [1]
     assert (summary["link_rate"], summary["slow_link_rate"]) == ("100M", "10M")
-    assert summary["links_shaped_by"].startswith("benchmarks/netns.py")
+    assert summary["links_shaped_by"].startswith("benchmarks/wan.py's Nodes")
     config = (slow_link_summary.parent / "config.yaml").read_text()
     assert "slow_link_nodes:\n  - 1" in config and "slow_link_rate: 10M" in config
     for entry in cases.values():

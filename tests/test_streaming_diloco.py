@@ -112,6 +112,54 @@ def test_the_fewest_steps_between_two_sends(num_fragments, sync_every, gap):
     assert fewest_steps_between_sends(num_fragments, sync_every) == gap
 
 
+class _Dropping(Communicator):
+    """One worker between replica groups whose every exchange is dropped (a peer died inside
+    it), counting the commits asked for."""
+
+    replica_groups = True
+
+    def __init__(self):
+        super().__init__()
+        self.commits = 0
+
+    def commit(self) -> bool:
+        self.commits += 1
+        return False
+
+
+def test_a_dropped_exchange_moves_no_global_fragment_and_a_restored_one_asks_no_quorum():
+    """H = 4, P = 2, tau = 1, alpha = 0.5, SGD lr 0.1 and gradient 1: fragment 1 is sent after
+    step 2 and due at 3, where its exchange is dropped: the global copy stays at its start, 1,
+    and the local fragment is mixed with it (0.5 x 0.7 + 0.5 x 1); fragment 0 keeps training."""
+    comm = _Dropping()
+    fragments = [[torch.nn.Parameter(torch.ones(2))], [torch.nn.Parameter(torch.ones(3))]]
+    params = [p for fragment in fragments for p in fragment]
+    args = StreamingDiLoCoArgs(sync_every=4, overlap=1, mixing=0.5, outer_lr=0.7, outer_momentum=0.9,
+                               nesterov=True, exchange="all_reduce")
+    optimizer = StreamingDiLoCo(fragments, torch.optim.SGD(params, lr=0.1), args, comm=comm)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    assert comm.commits == 1
+    assert torch.equal(optimizer._global[1][0], torch.ones(3))  # unmoved: the start
+    assert torch.allclose(fragments[1][0].detach(), torch.full((3,), 0.5 * 0.7 + 0.5 * 1.0))
+    assert torch.allclose(fragments[0][0].detach(), torch.full((2,), 0.7))
+    # fragment 0 sent after step 4, then the run checkpointed and resumed with it in flight: at its
+    # due step no quorum holds it (none is asked), and between replica groups it is dropped
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = optimizer.state_dict()
+    resumed = StreamingDiLoCo([[torch.nn.Parameter(torch.zeros(2))], [torch.nn.Parameter(torch.zeros(3))]],
+                              lambda ps: torch.optim.SGD(ps, lr=0.1), args, comm=_Dropping())
+    resumed.load_state_dict(state)
+    for fragment in resumed.fragments:
+        fragment[0].grad = torch.ones_like(fragment[0])
+    resumed.step()
+    assert resumed.comm.commits == 0 and torch.equal(resumed._global[0][0], torch.ones(2))
+
+
 # ---------------------------------------------------------------------------- on real workers
 def _optimizer(params, comm, codec, **overrides):
     args = StreamingDiLoCoArgs.defaults(**{**dict(sync_every=2, overlap=1, mixing=0.5, outer_lr=0.5,

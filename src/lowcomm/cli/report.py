@@ -217,8 +217,8 @@ def wallclock_main(argv: list[str] | None = None) -> int:
     selection, out_dir = _select(parser, args)
     runs, labels = selection.runs, distinct_labels(selection.runs)
     try:
-        per_link = [[timeline(run, recorded_link(run) if link == RECORDED else link, intra=intra,
-                              ranks_per_link=args.ranks_per_link, slowdown=args.slowdown)
+        links = [recorded_link(runs) if link == RECORDED else link for link in links]
+        per_link = [[timeline(run, link, intra=intra, ranks_per_link=args.ranks_per_link, slowdown=args.slowdown)
                      for run in runs] for link in links]
         target = args.target_excess if args.target_excess is not None else default_target(per_link[0])
         markdown, rows = wallclock_table(per_link, labels, target, args.ranks_per_link)

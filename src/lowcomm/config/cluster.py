@@ -60,7 +60,7 @@ def slowdown_errors(cluster: ClusterSpec) -> list[str]:
     return errors
 
 
-# Set by the program that shaped the nodes' links (benchmarks/netns.py: tc on each node's veth),
+# Set by the program that shaped the nodes' links (benchmarks/wan.py's Nodes: tc on each node's veth),
 # or by a person whose links are what the config says: without it a run asking for shaped links is
 # refused, since lowcomm's launchers shape none.
 LINKS_SHAPED_ENV = "LOWCOMM_LINKS_SHAPED_BY"
@@ -74,9 +74,9 @@ def link_errors(cluster: ClusterSpec) -> list[str]:
     errors = []
     if shaped_links(cluster) and not os.environ.get(LINKS_SHAPED_ENV):
         errors.append("cluster.link_rate / cluster.slow_link_nodes are realised on network-namespace nodes, each "
-                      "node's veth shaped with tc as root (benchmarks/stragglers.py, benchmarks/netns.py, which set "
-                      f"${LINKS_SHAPED_ENV}); lowcomm-train's launchers shape no link: leave them unset, or set "
-                      f"${LINKS_SHAPED_ENV} where the links already are what they say")
+                      "node's veth shaped with tc as root (benchmarks/stragglers.py and benchmarks/wan.py, whose "
+                      f"wan.Nodes sets ${LINKS_SHAPED_ENV}); lowcomm-train's launchers shape no link: leave them "
+                      f"unset, or set ${LINKS_SHAPED_ENV} where the links already are what they say")
     for key in ("link_rate", "slow_link_rate"):
         value = getattr(cluster, key)
         if value is not None:
@@ -92,6 +92,9 @@ def link_errors(cluster: ClusterSpec) -> list[str]:
             errors.append(f"cluster.slow_link_nodes: {node!r} is not a node index (0, 1, ...)")
     if len(set(nodes)) != len(nodes):
         errors.append(f"cluster.slow_link_nodes names a node twice: {list(nodes)}")
+    if cluster.launcher == "slurm" and isinstance(cluster.nodes, int) and any(
+            isinstance(node, int) and node >= cluster.nodes for node in nodes):
+        errors.append(f"cluster.slow_link_nodes: {list(nodes)} not all among the job's {cluster.nodes} nodes")
     if bool(nodes) != (cluster.slow_link_rate is not None):
         errors.append("cluster.slow_link_nodes and cluster.slow_link_rate go together: the nodes whose link is "
                       "thinner, and its rate (cluster.slow_link_nodes=[3] cluster.slow_link_rate=10M)")

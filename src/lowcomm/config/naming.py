@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any
 
+from lowcomm.units import parse_bandwidth
+
 # Keys that do not change what is trained, so they do not change the run name.
 _NOT_IN_RUN_NAME = ("run_root", "run_name", "wandb", "cluster", "experiment_name", "label")
 _LOGISTICS = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_instances",
@@ -57,10 +59,18 @@ def derive_run_name(raw: dict[str, Any], world_size: int) -> str:
         # as before where every worker is equal)
         semantic["slowdown"] = [sorted(cluster["slow_ranks"]), cluster["slowdown"]]
     if cluster.get("link_rate") is not None or cluster.get("slow_link_nodes"):  # so are shaped links
-        semantic["links"] = [cluster.get("link_rate"), sorted(cluster.get("slow_link_nodes") or []),
-                             cluster.get("slow_link_rate")]
+        semantic["links"] = [_bits_per_s(cluster.get("link_rate")), sorted(cluster.get("slow_link_nodes") or []),
+                             _bits_per_s(cluster.get("slow_link_rate"))]
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()[:8]
     parts = [raw["model"]["name"], raw["optimizer"]["name"]]
     if raw["compression"].get("name", "none") != "none":
         parts.append(raw["compression"]["name"])
     return "-".join(parts + [f"w{world_size}", digest])
+
+
+def _bits_per_s(rate: Any) -> Any:
+    """A link rate as the number it is (``100M``, ``100Mbit`` and ``1e8`` name one directory)."""
+    try:
+        return None if rate is None else parse_bandwidth(rate)
+    except ValueError:  # refused by validation; named as written meanwhile
+        return rate

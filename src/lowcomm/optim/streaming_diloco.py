@@ -193,8 +193,11 @@ class StreamingDiLoCo(torch.optim.Optimizer):
         due = [e for e in self._in_flight if e.due == self.local_step]
         if due:
             means = [exchange.mean.wait() for exchange in due]
-            # the exchanges due now began together; one a peer died inside is dropped by all alike
-            committed = self.comm.commit() if any(e.begun_here for e in due) else True
+            # the exchanges due now began together; one a peer died inside is dropped by all alike.
+            # Restored from a checkpoint, no quorum holds it: plainly it is merged, as it would
+            # have been; between replica groups it is dropped, which every group resuming there
+            # does alike (a peer may have died inside it; a group behind its peers heals next)
+            committed = self.comm.commit() if any(e.begun_here for e in due) else not self.comm.replica_groups
             for exchange, mean in zip(due, means, strict=True):
                 self._receive(exchange.fragment, mean if committed else None)
                 self._in_flight.remove(exchange)

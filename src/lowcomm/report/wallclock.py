@@ -125,15 +125,22 @@ def parse_link(text: str) -> Link:
 RECORDED = "recorded"  # lowcomm-wallclock --link recorded: each run on the links it recorded
 
 
-def recorded_link(run: RunRecord) -> Link:
-    """The link a run recorded (:func:`recorded_link_bps`): its rate, with no latency (a shaped
-    veth's tbf adds none) and no framing (the wire's headers per message, which
-    benchmarks/stragglers.py measures from the kernel's counters)."""
-    rate = recorded_link_bps(run)
-    if rate is None:
-        raise ValueError(f"{run.path}: its summary records no shaped links (cluster.link_rate / slow_link_nodes); "
-                         "give --link NAME:BANDWIDTH:LATENCY instead")
-    return Link("as recorded, its slowest node", rate, 0.0)
+def recorded_link(runs: list[RunRecord]) -> Link:
+    """The link ``runs`` recorded (:func:`recorded_link_bps`, one rate for all of them): its
+    rate, with no latency (a shaped veth's tbf adds none) and no framing (the wire's headers per
+    message, which benchmarks/stragglers.py measures from the kernel's counters)."""
+    rates: dict[float, list[str]] = {}
+    for run in runs:
+        rate = recorded_link_bps(run)
+        if rate is None:
+            raise ValueError(f"{run.path}: its summary records no shaped links (cluster.link_rate / slow_link_nodes); "
+                             "give --link NAME:BANDWIDTH:LATENCY instead")
+        rates.setdefault(rate, []).append(str(run.path))
+    if len(rates) != 1:
+        found = "; ".join(f"{rate / 1e6:g} Mbit/s: {', '.join(paths)}" for rate, paths in sorted(rates.items()))
+        raise ValueError(f"the runs recorded different links ({found}): select the runs of one, or give --link")
+    (rate,) = rates
+    return Link(f"recorded {rate / 1e6:g} Mbit/s (the slowest node's)", rate, 0.0)
 
 
 def recorded_link_bps(run: RunRecord) -> float | None:

@@ -493,10 +493,17 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             **self._utilisation(tokens_per_s),
             **self._unequal_workers(),
-            **({"link_rate": self.run.cluster.link_rate, "slow_link_nodes": list(self.run.cluster.slow_link_nodes),
-                "slow_link_rate": self.run.cluster.slow_link_rate, "node_link_bps": self.node_links,
-                "links_shaped_by": os.environ.get(LINKS_SHAPED_ENV)} if self.node_links is not None else {}),
+            **self._unequal_links(),
         }
+
+    def _unequal_links(self) -> dict:
+        """With shaped links: the settings, each node's rate in bits/s, and who shaped them."""
+        cluster = self.run.cluster
+        if self.node_links is None:
+            return {}
+        return {"link_rate": cluster.link_rate, "slow_link_nodes": list(cluster.slow_link_nodes),
+                "slow_link_rate": cluster.slow_link_rate, "node_link_bps": self.node_links,
+                "links_shaped_by": os.environ.get(LINKS_SHAPED_ENV)}
 
     def _unequal_workers(self) -> dict:
         """With ``cluster.slow_ranks``: which ranks, the factor, and the seconds each rank slept to
