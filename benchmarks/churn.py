@@ -7,10 +7,11 @@ bridge, the host on the bridge as a login node holding the job's torchft lightho
 tiny model with the method's quickstart settings, one worker per node, three times:
 
 - ``uninterrupted``: replica groups, nobody killed: the final loss and wall time to compare with;
-- ``replica groups``: node ``--kill-node``'s worker is killed (SIGKILL) once it has logged step
-  ``--kill-at-step``, and started again once the others have logged ``--rejoin-at-step``. The others
-  never stop; the restarted group resumes from its own checkpoint and heals from a live peer at
-  its next exchange;
+- ``replica groups``: each node's group a ``lowcomm-torchrun --standalone`` of its own, told its
+  group by ``$LOWCOMM_REPLICA_GROUP`` (as a user runs them: docs/faults.md). Node ``--kill-node`` is
+  lost (SIGKILL to every process in it) once it has logged step ``--kill-at-step``, and started
+  again once the others have logged ``--rejoin-at-step``. The others never stop; the restarted
+  group resumes from its own checkpoint and heals from a live peer at its next exchange;
 - ``requeue``: one world (``cluster.fault_tolerance=none``), the same kill; the other ranks find
   their peer gone and stop, and every node is started again from the last checkpoint once the
   killed node is back, as long after the kill as in the replica-groups run.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +55,7 @@ from lowcomm.launch.local import HEARTBEAT_TIMEOUT_S, prepare_run_dir
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.metrics import read_metrics
-from lowcomm.train.replicas import replica_run_dir
+from lowcomm.train.replicas import REPLICA_GROUP_ENV, replica_run_dir
 
 PORT = 29791  # the requeue path's rendezvous, on the first node
 POLL_S = 0.05
@@ -87,15 +89,29 @@ def _overrides(args: argparse.Namespace, path: str) -> list[str]:
             f"run_root={args.work / path.replace(' ', '_')}"]
 
 
-def _start(node: Node, rank: int, args: argparse.Namespace, config: Path, lighthouse: str, log: Path
-           ) -> subprocess.Popen:
-    """lowcomm's worker on ``node`` as rank ``rank`` (what torchrun or a SLURM task exports)."""
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": args.network[0].hostname, "MASTER_PORT": str(PORT), "GLOO_SOCKET_IFNAME": NODE_INTERFACE,
-           "OMP_NUM_THREADS": "1", LIGHTHOUSE_ENV: lighthouse}
+def _start(node: Node, rank: int, args: argparse.Namespace, config: Path, lighthouse: str, log: Path,
+           torchft: bool) -> subprocess.Popen:
+    """Node ``rank``'s worker. As replica groups, each
+    node is a ``lowcomm-torchrun --standalone`` of its own, told its group by
+    ``$LOWCOMM_REPLICA_GROUP`` (what a user runs per node); one world (the requeue path), lowcomm's
+    worker as rank ``rank`` of the nodes (what torchrun or a SLURM task exports)."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": NODE_INTERFACE, "OMP_NUM_THREADS": "1", LIGHTHOUSE_ENV: lighthouse}
+    worker = ["-m", "lowcomm.train.worker", str(config)]
+    if torchft:
+        env[REPLICA_GROUP_ENV] = str(rank)
+        argv = [sys.executable, "-m", "lowcomm.cli.torchrun", "--standalone", "--nproc-per-node", "1", *worker]
+    else:
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(args.nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": args.network[0].hostname, "MASTER_PORT": str(PORT)})
+        argv = [sys.executable, *worker]
     with log.open("a") as out:
-        return subprocess.Popen(node.command([sys.executable, "-m", "lowcomm.train.worker", str(config)]), env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(node.command(argv), env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _kill(node: Node, proc: subprocess.Popen) -> None:
+    """The node lost: every process on it (torchrun's agent and its workers alike), then reaped."""
+    node.kill_all()
+    proc.wait()
 
 
 def _group_dirs(run, nodes: int, torchft: bool) -> list[Path]:
@@ -146,15 +162,15 @@ def _run(path: Trial, args: argparse.Namespace, lighthouse: str, *, kill_at: int
     started: list[subprocess.Popen] = []  # every worker this run started, stopped on the way out
 
     def start(rank: int) -> subprocess.Popen:
-        started.append(_start(args.network[rank], rank, args, config, lighthouse, log[rank]))
+        started.append(_start(args.network[rank], rank, args, config, lighthouse, log[rank], torchft))
         return started[-1]
 
     try:
         _supervise(path, args, groups, start, torchft, kill_at, back_after_s)
     finally:
+        for node in args.network:  # whatever still runs on the nodes
+            node.kill_all()
         for proc in started:
-            if proc.poll() is None:
-                proc.kill()
             proc.wait()
     path.wall_s = time.perf_counter() - path.started
     _watch(path, groups[0])
@@ -174,8 +190,7 @@ def _supervise(path: Trial, args: argparse.Namespace, groups: list[Path], start,
         _watch(path, groups[0])
         now = time.perf_counter() - path.started
         if kill_at is not None and killed_at_s is None and _last_step(groups[victim if torchft else 0]) >= kill_at:
-            procs[victim].kill()  # SIGKILL: ip netns exec, unshare and sh exec'd into the worker
-            procs[victim].wait()
+            _kill(args.network[victim], procs[victim])
             killed_at_s = now
             path.notes["killed_at_step"] = _last_step(groups[victim if torchft else 0])
         if killed_at_s is not None and not relaunched:
@@ -269,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     args.label = point.label if unchanged else f"{STRATEGIES[args.method].display.name} (its quickstart settings, dense)"
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work / args.method
+    if args.work.exists():  # a finished run is not trained again: a measurement starts from nothing
+        shutil.rmtree(args.work)
+        print(f"[churn] removed the previous runs in {args.work}", flush=True)
 
     paths = {name: Trial(name) for name in PATHS}
     with node_network(args.nodes, prefix="lcchurn", login=True) as network:

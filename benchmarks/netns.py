@@ -10,7 +10,9 @@ bucket filter on it is a real rate-limited link between them. Needs root and ipr
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator, Sequence
@@ -91,6 +93,16 @@ class Node:
         """Bytes the node's inter-node link (its veth) has received so far, by the kernel's count."""
         read = ["ip", "netns", "exec", self.namespace, "cat", f"/sys/class/net/{NODE_INTERFACE}/statistics/rx_bytes"]
         return int(subprocess.run(read, check=True, capture_output=True, text=True).stdout)
+
+    def kill_all(self) -> int:
+        """The node lost: SIGKILL to every process in its namespace (torchrun's workers run in
+        sessions of their own, so killing the agent would leave them); how many there were."""
+        found = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True, check=False)
+        pids = [int(pid) for pid in found.stdout.split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
 
     def limit_rate(self, bits_per_s: float | None) -> str:
         """Rate-limit the node's inter-node link (its veth's egress) with a token bucket filter

@@ -1,5 +1,6 @@
-"""benchmarks/churn.py on two network-namespace nodes (issue 46, item 2): node 1's worker killed
-mid-run and started again; the replica groups' survivor never stops, the restarted group heals
+"""benchmarks/churn.py on two network-namespace nodes (issue 46, item 2), each replica group a
+``lowcomm-torchrun --standalone`` of its own: node 1 lost mid-run (every process on it killed) and
+started again; the replica groups' survivor never stops, the restarted group heals
 from it at its next exchange and both end on one model near the uninterrupted run's; the heal's
 bytes are the meter's on both ends (a hand-derived size) and the kernel's within the veth's
 framing; the requeue path stops and restarts every rank. (Goodput is the benchmark's to print:
@@ -24,8 +25,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_node_lost_and_back_is_survived_by_replica_groups_and_requeued_otherwise(tmp_path):
+    # (each node a lowcomm-torchrun of its own: the restart takes torchrun's start too, and the
+    # survivor must still be training when the restarted group reaches its exchange)
     done = run_shaping_benchmark(CHURN, "--method", "diloco", "--nodes", "2", "--kill-at-step", "30",
-                                 "--rejoin-at-step", "50", "--steps", "120", "--checkpoint-every", "10",
+                                 "--rejoin-at-step", "40", "--steps", "240", "--checkpoint-every", "10",
                                  "--heartbeat-timeout", "2", "--out", str(tmp_path),
                                  "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
@@ -47,6 +50,10 @@ def test_a_node_lost_and_back_is_survived_by_replica_groups_and_requeued_otherwi
     assert result["heal_MB_metered"] == pytest.approx(expected_mb) == result["heal_MB_sent_metered"]
     assert result["heal_MB_kernel"] == pytest.approx(expected_mb, rel=0.10)
     assert result["goodput_ft"] > 0 and result["goodput_requeue"] > 0
+    # the restarted node's torchrun took its group's directory over from the lost one, and resumed
+    restarted = (tmp_path / "runs" / "diloco" / "logs" / "replica_groups-node1.log").read_text()
+    assert "replicas/1/.lock: its owner" in restarted and "is gone" in restarted
+    assert "-replica1: resuming from step_" in restarted
     table = (tmp_path / "summary.md").read_text()
     assert "| replica groups |" in table and "| requeue |" in table and "survivors stopped" in table
     assert (tmp_path / "loss_vs_time.png").stat().st_size > 0

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from lowcomm.comm.ft import start_lighthouse
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, start_lighthouse
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import ConfigError, validate
 from lowcomm.config.compose import compose
@@ -77,6 +77,50 @@ def test_a_replica_group_setting_that_cannot_run_is_refused_naming_it(overrides,
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     assert any(error in line for line in refused.value.errors), refused.value.errors
+
+
+def test_under_torchrun_a_group_is_named_by_its_env_and_its_world_is_the_groups(tmp_path, monkeypatch):
+    from lowcomm.distenv import DistEnv
+    from lowcomm.train.replicas import REPLICA_GROUP_ENV, group_place, locked_dir
+
+    run = validate(compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster.workers=4",
+                            "cluster.ranks_per_group=2", *TORCHFT]))
+    launch = DistEnv(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    monkeypatch.delenv(REPLICA_GROUP_ENV, raising=False)
+    replica, within = group_place(run, launch)  # the local launcher: rank 3 of 4 is group 1's rank 1
+    assert (replica, within.rank, within.world_size) == (1, 1, 2)
+    assert locked_dir(run) == Path(run.run_dir)
+    torchrun = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    monkeypatch.setenv(REPLICA_GROUP_ENV, "1")  # one torchrun per group: its world is the group
+    assert group_place(run, torchrun) == (1, torchrun)
+    assert locked_dir(run) == replica_run_dir(run.run_dir, 1) and locked_dir(run).is_dir()
+    monkeypatch.setenv(REPLICA_GROUP_ENV, "2")
+    with pytest.raises(ConfigError, match=r"LOWCOMM_REPLICA_GROUP='2' is not a replica group of this run \(0 ... 1"):
+        group_place(run, torchrun)
+    monkeypatch.setenv(REPLICA_GROUP_ENV, "0")
+    with pytest.raises(ConfigError, match="one torchrun of cluster.ranks_per_group \\(2\\) ranks, but this one has 4"):
+        group_place(run, launch)
+
+
+def test_the_lighthouse_for_groups_started_apart_records_itself_and_stops_on_sigterm(tmp_path, monkeypatch):
+    from lowcomm.train.replicas import lighthouse_address
+
+    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli.lighthouse", "--record", str(tmp_path),
+                             "--min-replicas", "2", "--host", "10.0.0.7"], stdout=subprocess.PIPE, text=True)
+    record = tmp_path / "torchft.json"
+    deadline = time.monotonic() + 60
+    while not record.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    written = json.loads(record.read_text())
+    assert written["lighthouse"].startswith("http://10.0.0.7:") and written["min_replicas"] == 2
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)  # a worker no launcher told reads the record
+    assert lighthouse_address(tmp_path) == written["lighthouse"]
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://elsewhere:1")  # the launcher's word first
+    assert lighthouse_address(tmp_path) == "http://elsewhere:1"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "lighthouse stopped (SIGTERM)" in out
 
 
 # ------------------------------------------------------------------ nobody lost: the plain run

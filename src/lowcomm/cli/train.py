@@ -6,6 +6,7 @@ Under torchrun (RANK/WORLD_SIZE set) it runs as one worker in-process.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import textwrap
@@ -80,11 +81,13 @@ def run_config(cfg):
     if DistEnv.present():
         from lowcomm.config import ConfigError
         from lowcomm.launch.local import prepare_run_dir
+        from lowcomm.train.replicas import REPLICA_GROUP_ENV
         from lowcomm.train.stop import StopFlag
         from lowcomm.train.worker import run_rank
 
         env = DistEnv.from_environ()
-        if env.world_size != run.world_size:
+        per_group = run.cluster.fault_tolerance == "torchft" and REPLICA_GROUP_ENV in os.environ
+        if env.world_size != run.world_size and not per_group:  # (a replica group's torchrun: group_place)
             # the batch split and every strategy's layout were checked for the config's world
             raise ConfigError([f"this process group has {env.world_size} ranks (WORLD_SIZE) but the config's "
                                f"cluster gives {run.world_size}: set cluster.workers (or nodes x tasks_per_node) "

@@ -24,15 +24,19 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowcomm.comm.communicator import Communicator, DoneWork, nbytes
 from lowcomm.comm.meter import CommMeter, ring_all_reduce_traffic
+from lowcomm.rundir import write_json_atomic
 
 # The launcher puts the job's lighthouse address here for its workers (the run's record has it too).
 LIGHTHOUSE_ENV = "LOWCOMM_TORCHFT_LIGHTHOUSE"
+# The run's record of its replica groups: the lighthouse and the settings it serves with.
+FT_RECORD = "torchft.json"
 HEAL = "heal"
 
 
@@ -54,6 +58,15 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+
+def record_lighthouse(run_dir: str | Path, lighthouse, **settings) -> Path:
+    """Write the run's ``torchft.json``: the lighthouse's address and ``settings``; where a
+    worker finds the lighthouse when no launcher of its own told it (torchrun)."""
+    path = Path(run_dir) / FT_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"lighthouse": lighthouse.address(), **settings})
+    return path
 
 
 def state_bytes(state: Any) -> int:

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from lowcomm.comm.ft import LIGHTHOUSE_ENV, start_lighthouse
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, record_lighthouse, start_lighthouse
 from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
 from lowcomm.data import materialize
 from lowcomm.distenv import DistEnv
 from lowcomm.launch.signals import Terminated, sigterm_as_interrupt
-from lowcomm.rundir import RunDir, list_checkpoints, resume_note, write_json_atomic
+from lowcomm.rundir import RunDir, list_checkpoints, resume_note
 from lowcomm.runlock import RunDirLock
 from lowcomm.train.checkpoint import TRAINER_FILE, layout_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
@@ -295,10 +295,9 @@ def replica_lighthouse(run: RunConfig):
     cluster = run.cluster
     groups = cluster.workers // cluster.ranks_per_group
     lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
-    write_json_atomic(Path(run.run_dir) / FT_RECORD, {
-        "lighthouse": lighthouse.address(), "replica_groups": groups, "ranks_per_group": cluster.ranks_per_group,
-        "min_replicas": cluster.min_replicas, "join_timeout_s": cluster.join_timeout_s,
-        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "max_rejoins": cluster.max_rejoins})
+    record_lighthouse(run.run_dir, lighthouse, replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
+                      min_replicas=cluster.min_replicas, join_timeout_s=cluster.join_timeout_s,
+                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_rejoins=cluster.max_rejoins)
     of = f" of {cluster.ranks_per_group} ranks" if cluster.ranks_per_group > 1 else ""
     print(f"[lowcomm] torchft: {groups} replica groups{of}, lighthouse at {lighthouse.address()}; an exchange "
           f"commits with {cluster.min_replicas} or more, a lost group is relaunched to rejoin (at most "
@@ -306,8 +305,6 @@ def replica_lighthouse(run: RunConfig):
     return lighthouse
 
 
-# The run's record of its replica groups (lowcomm.comm.ft): the lighthouse and the settings.
-FT_RECORD = "torchft.json"
 # How long a replica group that stopped answering stays in the quorum (torchft's default).
 HEARTBEAT_TIMEOUT_S = 5.0
 

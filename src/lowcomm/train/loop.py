@@ -32,7 +32,7 @@ from lowcomm.train.boundary import Boundary, BoundaryAgreement
 from lowcomm.train.checkpoint import CheckpointManager
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
-from lowcomm.train.replicas import ReplicaGroup, group_env
+from lowcomm.train.replicas import ReplicaGroup, group_place
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 from lowcomm.train.slowdown import Slowdown
 
@@ -179,15 +179,16 @@ class Trainer:
         if run.cluster.fault_tolerance == "torchft":
             # replica groups of cluster.ranks_per_group ranks: the loop's collectives are the
             # group's own (one rank: none), and only the method's exchange reaches the other groups
-            ranks = run.cluster.ranks_per_group
-            if ranks > 1:
-                init_distributed(group_env(env, ranks), self.device, timeout)
+            replica, within = group_place(run, env)
+            if within.world_size > 1:
+                init_distributed(within, self.device, timeout)
                 self.comm = Communicator.world(self.device, timeout=timeout)
             else:
                 self.comm = Communicator(device=self.device, timeout=timeout)
-            self.group = ReplicaGroup(run, env, self.comm, self.device)
+            self.group = ReplicaGroup(run, replica, self.comm, self.device)
             self.exchange, self.run_dir = self.group.exchange, self.group.run_dir
-            self.shard, self.world_size = self.group.replica * ranks + self.comm.rank, self.group.replicas * ranks
+            ranks = within.world_size
+            self.shard, self.world_size = replica * ranks + self.comm.rank, self.group.replicas * ranks
         else:
             init_distributed(env, self.device, timeout)
             self.comm = self.exchange = Communicator.world(self.device, timeout=timeout)

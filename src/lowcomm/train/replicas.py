@@ -12,6 +12,7 @@ state at its next exchange (a heal): the loop then continues from the peer's ste
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 
 from lowcomm.comm import Communicator
-from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups
-from lowcomm.config import RunConfig
+from lowcomm.comm.ft import FT_RECORD, LIGHTHOUSE_ENV, ReplicaGroups
+from lowcomm.config import ConfigError, RunConfig
 from lowcomm.distenv import DistEnv, rendezvous_address
 from lowcomm.rundir import RunDir
 
@@ -36,6 +37,12 @@ def replica_run_dir(run_dir: str | Path, replica: int) -> Path:
     return run_dir if replica == 0 else run_dir / "replicas" / str(replica)
 
 
+# Under torchrun, each replica group is one torchrun (``--standalone``, its own rendezvous and
+# restarts) of cluster.ranks_per_group ranks, and this says which group it is (torchft's
+# REPLICA_GROUP_ID); the local launcher's workers are numbered across groups instead.
+REPLICA_GROUP_ENV = "LOWCOMM_REPLICA_GROUP"
+
+
 def group_env(env: DistEnv, ranks_per_group: int) -> DistEnv:
     """A worker's place in its replica group: ranks ``g * R ... g * R + R - 1`` of the launch
     (``env``) are group g's ranks 0 ... R - 1."""
@@ -43,20 +50,59 @@ def group_env(env: DistEnv, ranks_per_group: int) -> DistEnv:
                    local_world_size=min(env.local_world_size, ranks_per_group))
 
 
+def group_place(run: RunConfig, env: DistEnv) -> tuple[int, DistEnv]:
+    """(this worker's replica group, its environment within the group). Under torchrun
+    (``$LOWCOMM_REPLICA_GROUP``) torchrun's world is the group; under the local launcher rank r
+    of the launch is rank r mod R of group r // R. A layout that does not fit the config is a
+    ConfigError naming both."""
+    ranks, groups = run.cluster.ranks_per_group, run.cluster.workers // run.cluster.ranks_per_group
+    given = os.environ.get(REPLICA_GROUP_ENV)
+    if given is None:
+        return env.rank // ranks, group_env(env, ranks)
+    if not given.isdigit() or int(given) >= groups:
+        raise ConfigError([f"${REPLICA_GROUP_ENV}={given!r} is not a replica group of this run (0 ... {groups - 1}: "
+                           f"cluster.workers={run.cluster.workers} in groups of {ranks})"])
+    if env.world_size != ranks:
+        raise ConfigError([f"under torchrun each replica group is one torchrun of cluster.ranks_per_group ({ranks}) "
+                           f"ranks, but this one has {env.world_size} (--nproc-per-node, one node: --standalone)"])
+    return int(given), env
+
+
+def locked_dir(run: RunConfig) -> Path:
+    """The directory a launch of this process holds (its lock): the run's, or under torchrun its
+    replica group's (each group is a torchrun of its own, started and restarted apart)."""
+    given = os.environ.get(REPLICA_GROUP_ENV, "")
+    if run.cluster.fault_tolerance != "torchft" or not given.isdigit():
+        return Path(run.run_dir)
+    path = replica_run_dir(run.run_dir, int(given))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def lighthouse_address(run_dir: Path) -> str:
+    """The job's lighthouse: the launcher's ``$LOWCOMM_TORCHFT_LIGHTHOUSE``, else the run's record
+    (``torchft.json``, written by the launcher or by ``lowcomm-lighthouse --record``)."""
+    if address := os.environ.get(LIGHTHOUSE_ENV):
+        return address
+    record = Path(run_dir) / FT_RECORD
+    if record.is_file():
+        return str(json.loads(record.read_text())["lighthouse"])
+    raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse: neither ${LIGHTHOUSE_ENV} nor {record} "
+                       "(the local launcher starts one per job; under torchrun start `lowcomm-lighthouse --record "
+                       "RUN_DIR` first)")
+
+
 class ReplicaGroup:
     """This worker's replica group: its index, its run directory and its exchange with the
     other groups (:class:`~lowcomm.comm.ft.ReplicaGroups`), and the state a heal moves.
-    ``members``: the Communicator of the group's own ranks (``cluster.ranks_per_group``; rank
-    r of the launch is rank r mod R of group r // R), whose process group meets at the store the
-    launcher made for the group (``MASTER_ADDR``/``MASTER_PORT``)."""
+    ``members``: the Communicator of the group's own ranks (``cluster.ranks_per_group``:
+    :func:`group_place`), whose process group meets at the store its launcher made for the group
+    (``MASTER_ADDR``/``MASTER_PORT``: the local launcher's, or the group's torchrun's)."""
 
-    def __init__(self, run: RunConfig, env: DistEnv, members: Communicator, device: torch.device):
-        lighthouse = os.environ.get(LIGHTHOUSE_ENV)
-        if not lighthouse:
-            raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse address in ${LIGHTHOUSE_ENV} "
-                               "(lowcomm's launcher starts one per job and sets it)")
-        ranks = run.cluster.ranks_per_group
-        self.replica, self.replicas, self.lighthouse = env.rank // ranks, env.world_size // ranks, lighthouse
+    def __init__(self, run: RunConfig, replica: int, members: Communicator, device: torch.device):
+        lighthouse = lighthouse_address(run.run_dir)
+        self.replica, self.replicas = replica, run.cluster.workers // run.cluster.ranks_per_group
+        self.lighthouse = lighthouse
         self.members = members
         self.shared_dir = Path(run.run_dir)  # the run's, where the groups of a launch meet
         self.run_dir = replica_run_dir(run.run_dir, self.replica)

@@ -35,6 +35,7 @@ from lowcomm.rundir import CheckpointError, MetricsError, resume_note
 from lowcomm.runlock import RunDirLock, RunDirLocked
 from lowcomm.train.loop import EXIT_DIVERGED, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
+from lowcomm.train.replicas import locked_dir
 from lowcomm.train.stop import TERM_BOUNDARY_S, StopDeadline, StopFlag
 
 # Set by lowcomm's local launcher to a directory where each rank leaves its last words
@@ -113,7 +114,7 @@ def run_rank(run: RunConfig, env: DistEnv, stop: StopFlag, *, before: Callable[[
     rank; ``before`` runs on rank 0 once it holds it (``lowcomm-train`` prepares the run
     directory there). A lock held by another launch raises RunDirLocked on rank 0."""
     held_by_launcher = LAUNCHED_LOCALLY in os.environ
-    with RunDirLock(run.run_dir) if env.rank == 0 and not held_by_launcher else contextlib.nullcontext():
+    with RunDirLock(locked_dir(run)) if env.rank == 0 and not held_by_launcher else contextlib.nullcontext():
         if before is not None and env.rank == 0:
             before()
         watch_sigterm(stop, env.rank, run.run_dir)
