@@ -1,7 +1,7 @@
 """Replica groups that leave and rejoin a run: the methods' exchange across groups through a
 torchft ``Manager`` (``cluster.fault_tolerance=torchft``).
 
-Each replica group (one rank on a laptop) trains on its own and meets the others only at its
+Each replica group (one rank or several: a node's) trains on its own and meets the others only at its
 method's exchange. There, :meth:`ReplicaGroups.begin_exchange` asks the job's lighthouse for a
 quorum: the groups alive at that moment. A group that has died is simply not in it (the
 lighthouse stops hearing its heartbeat) and the others average over who is there; a group that

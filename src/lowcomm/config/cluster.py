@@ -136,8 +136,8 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     if mode == "none" or errors:
         return errors
     if cluster.launcher != "local":
-        errors.append("cluster.fault_tolerance=torchft runs under the local launcher (each worker a replica group); "
-                      "across SLURM nodes or torchrun it is not built yet: use cluster=local")
+        errors.append("cluster.fault_tolerance=torchft runs under the local launcher, or as a lowcomm-torchrun per "
+                      "replica group with a cluster=local config (docs/faults.md); under SLURM it is not built yet")
     elif cluster.device == "cuda":
         errors.append("cluster.fault_tolerance=torchft exchanges between replica groups over gloo on the CPU: set "
                       "cluster.device=cpu")

@@ -1,9 +1,10 @@
-"""A worker as one replica group of a run that survives lost workers
+"""A worker's replica group, in a run that survives lost workers
 (``cluster.fault_tolerance=torchft``; the exchange itself: :mod:`lowcomm.comm.ft`).
 
-Under it nothing is world-wide but the method's exchange. Each group (one rank under the local
-launcher) trains its own shard of every step's batch, validates, checkpoints and agrees on a
-stop by itself, so that a group's death stops no other. Its records go to its own run
+Under it nothing is world-wide but the method's exchange. Each group (``cluster.ranks_per_group``
+ranks: the local launcher's workers numbered across groups, or a torchrun of its own per group,
+:func:`group_place`) trains its own shard of every step's batch, validates, checkpoints and
+agrees on a stop by itself, so that a group's death stops no other. Its records go to its own run
 directory: group 0's is the run's (``<run_dir>``: what the reports read), group g's
 ``<run_dir>/replicas/<g>``. A group that comes back behind its peers is given a live peer's
 state at its next exchange (a heal): the loop then continues from the peer's step.
