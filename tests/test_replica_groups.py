@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from lowcomm.comm.ft import LIGHTHOUSE_ENV, start_lighthouse
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, ReplicaGroups, start_lighthouse
+from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import ConfigError, validate
 from lowcomm.config.compose import compose
@@ -188,16 +189,28 @@ def test_groups_of_two_ranks_that_lose_nobody_train_what_four_plain_ranks_train(
 
 
 # ------------------------------------------------------------------ one exchange, two groups
+def _two_groups(worker) -> list[dict]:
+    """``worker(rank, 2, lighthouse)`` as two replica groups meeting at a lighthouse of their own
+    (an exchange commits with both); their results."""
+    lighthouse = start_lighthouse(min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
+    try:
+        return spawn_workers(worker, 2, lighthouse.address(), timeout_s=120)
+    finally:
+        lighthouse.shutdown()
+
+
+def _groups(rank: int, world: int, lighthouse: str, meter: CommMeter | None = None) -> ReplicaGroups:
+    """This worker's ReplicaGroups of ``world`` one-rank groups (both needed for a commit)."""
+    return ReplicaGroups(rank, world, lighthouse=lighthouse, min_replicas=2, meter=meter or CommMeter(),
+                         timeout=datetime.timedelta(seconds=60))
+
+
 def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
     """Group 0 has trained 30 steps, group 1 10: at their first quorum together group 1
     takes group 0's state (a heal), contributes nothing (what it offers is sent as zeros), and
     both average what group 0 sent over the one group that contributed."""
-    from lowcomm.comm.ft import ReplicaGroups
-    from lowcomm.comm.meter import CommMeter
-
     meter = CommMeter()
-    groups = ReplicaGroups(rank, world, lighthouse=lighthouse, min_replicas=2, meter=meter,
-                           timeout=datetime.timedelta(seconds=60))
+    groups = _groups(rank, world, lighthouse, meter)
     state = {"w": torch.full((1000,), 10.0 + rank)}
     groups.serve_state(lambda: {"w": state["w"]}, lambda sent: state["w"].copy_(sent["w"]))
     groups.progress = 30 if rank == 0 else 10  # the steps each has trained
@@ -214,11 +227,7 @@ def _exchange_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
 
 @pytest.mark.slow
 def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_metered_on_both_ends():
-    lighthouse = start_lighthouse(min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
-    try:
-        ahead, healed = spawn_workers(_exchange_after_a_heal, 2, lighthouse.address(), timeout_s=120)
-    finally:
-        lighthouse.shutdown()
+    ahead, healed = _two_groups(_exchange_after_a_heal)
     assert healed["w"] == ahead["w"] == 10.0  # group 1 took group 0's state
     assert ahead["live"] == healed["live"] == 2 and ahead["contributors"] == healed["contributors"] == 1
     assert ahead["mean"] == healed["mean"] == 4.0  # (4 + 0) / 1 contributor: not 7 in it, nor / 2 groups
@@ -238,12 +247,9 @@ def _streaming_heal_at_another_phase(rank: int, world: int, lighthouse: str) -> 
     4k + 2), merged one step later. Group 0 has done 5 inner steps and sends fragment 1 after its
     6th; group 1 restarted at step 3 and would send fragment 0 after its 4th: at their quorum it
     heals to group 0's step 6, sends fragment 1 as zeros, and both merge group 0's outer gradient."""
-    from lowcomm.comm.ft import ReplicaGroups
-    from lowcomm.comm.meter import CommMeter
     from lowcomm.optim.streaming_diloco import StreamingDiLoCo, StreamingDiLoCoArgs
 
-    groups = ReplicaGroups(rank, world, lighthouse=lighthouse, min_replicas=2, meter=CommMeter(),
-                           timeout=datetime.timedelta(seconds=60))
+    groups = _groups(rank, world, lighthouse)
     torch.manual_seed(0)
     fragments = [[torch.nn.Parameter(torch.zeros(3))], [torch.nn.Parameter(torch.zeros(5))]]
     params = [p for fragment in fragments for p in fragment]
@@ -273,11 +279,7 @@ def _streaming_heal_at_another_phase(rank: int, world: int, lighthouse: str) -> 
 
 @pytest.mark.slow
 def test_streaming_diloco_group_rejoining_at_another_phase_sends_the_peers_fragment():
-    lighthouse = start_lighthouse(min_replicas=2, join_timeout_s=30, heartbeat_timeout_s=5)
-    try:
-        ahead, healed = spawn_workers(_streaming_heal_at_another_phase, 2, lighthouse.address(), timeout_s=120)
-    finally:
-        lighthouse.shutdown()
+    ahead, healed = _two_groups(_streaming_heal_at_another_phase)
     assert healed["events"] == ["heal"] and ahead["events"] == []
     assert ahead["local_steps"] == healed["local_steps"] == [6, 7]  # group 1 went on from group 0's step
     assert ahead["params"] == healed["params"] and ahead["global"] == healed["global"]  # one model again

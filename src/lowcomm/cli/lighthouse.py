@@ -68,23 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[lowcomm] lighthouse at {address}: replica groups commit with {args.min_replicas} or more",
           flush=True)
     if args.record is not None:
-        path = record_lighthouse(args.record, _Address(address), min_replicas=args.min_replicas,
+        path = record_lighthouse(args.record, address, min_replicas=args.min_replicas,
                                  join_timeout_s=args.join_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
         print(f"[lowcomm] recorded in {path}", flush=True)
     stopped = signal.sigwait(STOPS)
     lighthouse.shutdown()
     print(f"[lowcomm] lighthouse stopped ({signal.Signals(stopped).name})", flush=True)
     return 0
-
-
-class _Address:
-    """The lighthouse as the groups reach it (``record_lighthouse`` reads its ``address()``)."""
-
-    def __init__(self, address: str):
-        self._address = address
-
-    def address(self) -> str:
-        return self._address
 
 
 if __name__ == "__main__":

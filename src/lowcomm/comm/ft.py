@@ -60,12 +60,12 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
-def record_lighthouse(run_dir: str | Path, lighthouse, **settings) -> Path:
-    """Write the run's ``torchft.json``: the lighthouse's address and ``settings``; where a
+def record_lighthouse(run_dir: str | Path, address: str, **settings) -> Path:
+    """Write the run's ``torchft.json``: the lighthouse's ``address`` and ``settings``; where a
     worker finds the lighthouse when no launcher of its own told it (torchrun)."""
     path = Path(run_dir) / FT_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"lighthouse": lighthouse.address(), **settings})
+    write_json_atomic(path, {"lighthouse": address, **settings})
     return path
 
 

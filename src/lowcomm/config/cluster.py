@@ -92,9 +92,8 @@ def link_errors(cluster: ClusterSpec) -> list[str]:
             errors.append(f"cluster.slow_link_nodes: {node!r} is not a node index (0, 1, ...)")
     if len(set(nodes)) != len(nodes):
         errors.append(f"cluster.slow_link_nodes names a node twice: {list(nodes)}")
-    if cluster.launcher == "slurm" and isinstance(cluster.nodes, int) and any(
-            isinstance(node, int) and node >= cluster.nodes for node in nodes):
-        errors.append(f"cluster.slow_link_nodes: {list(nodes)} not all among the job's {cluster.nodes} nodes")
+    if not errors and cluster.launcher == "slurm" and isinstance(cluster.nodes, int):
+        errors += _nodes_beyond(nodes, cluster.nodes)
     if bool(nodes) != (cluster.slow_link_rate is not None):
         errors.append("cluster.slow_link_nodes and cluster.slow_link_rate go together: the nodes whose link is "
                       "thinner, and its rate (cluster.slow_link_nodes=[3] cluster.slow_link_rate=10M)")
@@ -106,13 +105,18 @@ def shaped_links(cluster: ClusterSpec) -> bool:
     return cluster.link_rate is not None or bool(cluster.slow_link_nodes)
 
 
+def _nodes_beyond(slow: Sequence[int], nodes: int) -> list[str]:
+    """The error naming the slow link nodes a run of ``nodes`` nodes does not have, if any."""
+    missing = [node for node in slow if node >= nodes]
+    return [f"cluster.slow_link_nodes: {missing} not among the run's {nodes} nodes (0 ... {nodes - 1})"] \
+        if missing else []
+
+
 def node_link_rates(cluster: ClusterSpec, nodes: int) -> list[float | None]:
     """Each of ``nodes`` nodes' link rate in bits/s (None: unshaped), as the config asks for it;
     a ConfigError names a slow node the run does not have."""
-    missing = [node for node in cluster.slow_link_nodes if node >= nodes]
-    if missing:
-        raise ConfigError([f"cluster.slow_link_nodes: {missing} not among the run's {nodes} nodes "
-                           f"(0 ... {nodes - 1})"])
+    if beyond := _nodes_beyond(cluster.slow_link_nodes, nodes):
+        raise ConfigError(beyond)
     base = parse_bandwidth(cluster.link_rate) if cluster.link_rate is not None else None
     slow = parse_bandwidth(cluster.slow_link_rate) if cluster.slow_link_rate is not None else None
     return [slow if node in cluster.slow_link_nodes else base for node in range(nodes)]
@@ -151,10 +155,16 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
     return errors
 
 
+def every_launcher_errors(cluster: ClusterSpec) -> list[str]:
+    """The checks of the fields every launcher reads: the collective timeout, unequal workers and
+    links, fault tolerance."""
+    return (collective_timeout_errors(cluster) + slowdown_errors(cluster) + link_errors(cluster)
+            + fault_tolerance_errors(cluster))
+
+
 def cluster_errors(cluster: ClusterSpec) -> list[str]:
     """Every problem of a SLURM profile's fields, each naming its key."""
-    errors: list[str] = (collective_timeout_errors(cluster) + slowdown_errors(cluster) + link_errors(cluster)
-                         + fault_tolerance_errors(cluster))
+    errors: list[str] = every_launcher_errors(cluster)
     for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
         errors += _int_error(key, getattr(cluster, key), minimum=1)
     for key in ("gpus_per_node", "signal_delay_s", "max_requeues"):

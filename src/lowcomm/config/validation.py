@@ -17,11 +17,8 @@ from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 from lowcomm.compress import CODECS, build_codec, codec_config_errors, cpu_kernels
 from lowcomm.config.cluster import (
     cluster_errors,
-    collective_timeout_errors,
-    fault_tolerance_errors,
-    link_errors,
+    every_launcher_errors,
     normalised,
-    slowdown_errors,
 )
 from lowcomm.config.naming import derive_run_name
 from lowcomm.config.schema import (
@@ -203,8 +200,7 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
         if cluster.launcher == "local" and cluster.workers < 1:
             errors.append(f"cluster.workers must be >= 1, got {cluster.workers}")
         if cluster.launcher != "slurm":  # a SLURM profile's checks below include them
-            errors += (collective_timeout_errors(cluster) + slowdown_errors(cluster) + link_errors(cluster)
-                       + fault_tolerance_errors(cluster))
+            errors += every_launcher_errors(cluster)
         if cluster.launcher == "slurm":
             slurm_errors = cluster_errors(cluster)
             errors += slurm_errors

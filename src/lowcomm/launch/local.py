@@ -295,7 +295,7 @@ def replica_lighthouse(run: RunConfig):
     cluster = run.cluster
     groups = cluster.workers // cluster.ranks_per_group
     lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
-    record_lighthouse(run.run_dir, lighthouse, replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
+    record_lighthouse(run.run_dir, lighthouse.address(), replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
                       min_replicas=cluster.min_replicas, join_timeout_s=cluster.join_timeout_s,
                       heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_rejoins=cluster.max_rejoins)
     of = f" of {cluster.ranks_per_group} ranks" if cluster.ranks_per_group > 1 else ""
