@@ -144,7 +144,7 @@ write_conf() {
         node_addr=" NodeAddr=127.0.0.1"
         ctld_addr="(127.0.0.1)"
     fi
-    local slurmd_files=slurmd node_lines="" partition_nodes="" entry name address
+    local slurmd_files=slurmd node_lines="" partition_nodes="" partition_options="" entry name address
     if ((${#NODES[@]} > 0)); then
         [[ -n $CTLD_ADDR ]] || die "LOWCOMM_SLURM_NODES needs LOWCOMM_SLURM_CTLD_ADDR (this host's address on their network)"
         ctld_addr="(${CTLD_ADDR})"
@@ -156,6 +156,10 @@ write_conf() {
             partition_nodes+="${partition_nodes:+,}${name}"
             mkdir -p "$STATE_DIR/slurmd_spool/$name"
         done
+        # Jobs of a node or less go to the least loaded node, as one-node jobs spread over a real
+        # cluster's free nodes (the replica groups of a torchft run: a job per node), rather than
+        # filling the first node's cores.
+        partition_options=" LLN=YES"
     else
         node_lines="NodeName=${host}${node_addr} CPUs=${cpus} RealMemory=${real_memory_mb} State=UNKNOWN"$'\n'
         partition_nodes=$host
@@ -213,7 +217,7 @@ KillWait=5
 MinJobAge=300
 InactiveLimit=0
 
-${node_lines}PartitionName=debug Nodes=${partition_nodes} Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=${partition_nodes} Default=YES MaxTime=INFINITE State=UP${partition_options}
 EOF
 }
 

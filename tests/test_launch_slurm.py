@@ -138,6 +138,47 @@ def test_cluster_spec_is_read_for_its_slurm_fields():
     assert submitit_parameters(cluster, environ={})["mem_gb"] == 0
 
 
+def test_a_torchft_runs_groups_are_one_node_jobs_of_an_array_requeued_apart_and_its_lighthouse_one_cpu(tmp_path):
+    from lowcomm.config import validate
+    from lowcomm.config.compose import compose
+    from lowcomm.launch.slurm import batch_script, lighthouse_shape, replica_group_shape
+    from runs import TINY
+
+    run = validate(compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster=slurm_local_2node",
+                            "cluster.fault_tolerance=torchft", "cluster.ranks_per_group=2",
+                            "+cluster.additional_parameters.constraint=fast"]))
+    script = batch_script(run).splitlines()
+    # one element per node's group, each the node's 2 ranks; SLURM requeues an element whose node fails
+    for line in ("#SBATCH --array=0-1%2", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue",
+                 "#SBATCH --constraint=fast"):
+        assert line in script, line
+    group = submitit_parameters(run.cluster, environ={}, shape=replica_group_shape(run.cluster))
+    assert (group["nodes"], group["tasks_per_node"], group["timeout_min"]) == (1, 2, 30)
+    lighthouse = submitit_parameters(run.cluster, environ={"LOWCOMM_SLURM_PARTITION": "cpu"},
+                                     shape=lighthouse_shape(run.cluster))
+    # one CPU task, none of the profile's extra options (which may ask for GPUs), for as long as a
+    # group's job may be requeued for: 30 min x (1 + max_requeues=1)
+    assert (lighthouse["nodes"], lighthouse["tasks_per_node"], lighthouse["cpus_per_task"]) == (1, 1, 1)
+    assert "gpus_per_node" not in lighthouse and "mem_gb" not in lighthouse and lighthouse["timeout_min"] == 60
+    assert lighthouse["slurm_additional_parameters"] == {"signal": "USR2@60"}
+    assert lighthouse["slurm_partition"] == "cpu"
+    # the run's own checks hold for the run (2 nodes), not for the one-node shapes
+    with pytest.raises(ValueError, match=r"cluster.min_replicas \(3\) is more than the run's replica groups \(2"):
+        validate(compose([*TINY, f"run_root={tmp_path}", "optimizer=diloco", "cluster=slurm_local_2node",
+                          "cluster.fault_tolerance=torchft", "cluster.ranks_per_group=2", "cluster.min_replicas=3"]))
+
+
+def test_a_job_arrays_id_finds_its_elements_in_the_queue():
+    from lowcomm.launch.slurm import Queue, QueuedJob
+
+    queue = Queue((QueuedJob("41_0", "ft-run", "RUNNING"), QueuedJob("41_1", "ft-run", "COMPLETED"),
+                   QueuedJob("42", "ft-run", "RUNNING"), QueuedJob("410", "other", "PENDING")))
+    assert queue.find(job_id="41").job_id == "41_0"  # an active element first
+    assert queue.find(job_id="4") is None  # 41's elements are not 4's, nor is 410
+    done = Queue((QueuedJob("41_0", "ft-run", "COMPLETED"),))
+    assert done.find(job_id="41").state == "COMPLETED"
+
+
 def test_world_size():
     assert slurm_profile({**PROFILE_64_GPUS, "setup": ()}).world_size == 64
 

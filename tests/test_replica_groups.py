@@ -65,7 +65,10 @@ def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_start
     (["cluster.fault_tolerance=none", "cluster.ranks_per_group=2"], "only cluster.fault_tolerance=torchft has"),
     (["cluster.fault_tolerance=always"], "cluster.fault_tolerance must be one of: none, torchft"),
     (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
-    (["cluster=slurm_debug"], "runs under the local launcher"),
+    (["cluster=slurm_debug"], "under SLURM a replica group is a node, a job of its own: set cluster.ranks_per_group=2"),
+    (["cluster=slurm_local_2node", "cluster.ranks_per_group=2", "cluster.min_replicas=3"],
+     "more than the run's replica groups (2: cluster.nodes=2, a group each)"),
+    (["cluster=slurm_64gpu", "cluster.ranks_per_group=8"], "over gloo on the CPU: set cluster.device=cpu"),
     (["cluster.device=cuda"], "over gloo on the CPU: set cluster.device=cpu"),
     (["optimizer=streaming_diloco"], "sends its fragments dense (optimizer.quantization=none)"),
     # two fragments every 4 steps are sent 2 steps apart: a fragment must be merged before the next leaves
@@ -99,7 +102,7 @@ def test_under_torchrun_a_group_is_named_by_its_env_and_its_world_is_the_groups(
     with pytest.raises(ConfigError, match=r"LOWCOMM_REPLICA_GROUP='2' is not a replica group of this run \(0 ... 1"):
         group_place(run, torchrun)
     monkeypatch.setenv(REPLICA_GROUP_ENV, "0")
-    with pytest.raises(ConfigError, match="one torchrun of cluster.ranks_per_group \\(2\\) ranks, but this one has 4"):
+    with pytest.raises(ConfigError, match="has cluster.ranks_per_group \\(2\\) ranks, but this one has 4"):
         group_place(run, launch)
 
 

@@ -139,19 +139,23 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
                       "only cluster.fault_tolerance=torchft has")
     if mode == "none" or errors:
         return errors
-    if cluster.launcher != "local":
-        errors.append("cluster.fault_tolerance=torchft runs under the local launcher, or as a lowcomm-torchrun per "
-                      "replica group with a cluster=local config (docs/faults.md); under SLURM it is not built yet")
-    elif cluster.device == "cuda":
+    if cluster.launcher == "slurm" and any(_int_error(key, getattr(cluster, key), minimum=1)
+                                           for key in ("nodes", "tasks_per_node")):
+        return errors  # the SLURM profile's own checks name them
+    if cluster.device == "cuda":
         errors.append("cluster.fault_tolerance=torchft exchanges between replica groups over gloo on the CPU: set "
                       "cluster.device=cpu")
-    elif cluster.workers % cluster.ranks_per_group:
+    elif cluster.launcher == "slurm" and cluster.ranks_per_group != cluster.tasks_per_node:
+        errors.append(f"under SLURM a replica group is a node, a job of its own: set cluster.ranks_per_group="
+                      f"{cluster.tasks_per_node} (cluster.tasks_per_node), got {cluster.ranks_per_group}")
+    elif cluster.world_size % cluster.ranks_per_group:
         errors.append(f"cluster.workers ({cluster.workers}) must be a multiple of cluster.ranks_per_group "
                       f"({cluster.ranks_per_group}): every replica group has as many ranks")
-    elif cluster.min_replicas > cluster.workers // cluster.ranks_per_group:
+    elif cluster.min_replicas > cluster.replica_groups:
+        spread = (f"cluster.nodes={cluster.nodes}, a group each" if cluster.launcher == "slurm" else
+                  f"cluster.workers={cluster.workers} in groups of {cluster.ranks_per_group}")
         errors.append(f"cluster.min_replicas ({cluster.min_replicas}) is more than the run's replica groups "
-                      f"({cluster.workers // cluster.ranks_per_group}: cluster.workers={cluster.workers} in groups of "
-                      f"{cluster.ranks_per_group}): no exchange could ever commit")
+                      f"({cluster.replica_groups}: {spread}): no exchange could ever commit")
     return errors
 
 

@@ -125,10 +125,10 @@ class ClusterSpec:
     # live peer); an exchange commits with min_replicas groups or more; a quorum waits
     # join_timeout_s for groups beyond them
     fault_tolerance: str = "none"
-    ranks_per_group: int = 1  # the local launcher's workers in groups of this many ranks (a node's)
+    ranks_per_group: int = 1  # the ranks in groups of this many (a node's; under SLURM tasks_per_node)
     min_replicas: int = 1
     join_timeout_s: float = 10.0
-    max_rejoins: int = 3
+    max_rejoins: int = 3  # the local launcher's relaunches of lost groups (SLURM's: max_requeues per group)
 
     @property
     def world_size(self) -> int:
@@ -138,6 +138,12 @@ class ClusterSpec:
     def local_world_size(self) -> int:
         """Ranks per node: every local worker is on this machine; one task per GPU under SLURM."""
         return self.workers if self.launcher == "local" else self.tasks_per_node
+
+    @property
+    def replica_groups(self) -> int:
+        """Under ``fault_tolerance=torchft``: the ranks in groups of ``ranks_per_group`` (under
+        SLURM a node each, each its own job)."""
+        return self.world_size // self.ranks_per_group
 
 
 @dataclass

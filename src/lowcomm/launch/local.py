@@ -287,21 +287,25 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
     return run.run_dir
 
 
-def replica_lighthouse(run: RunConfig):
+def replica_lighthouse(run: RunConfig, host: str | None = None, **record):
     """Under ``cluster.fault_tolerance=torchft``, the job's lighthouse (one per launch), its
-    address in the run's record (``torchft.json``); None otherwise."""
+    address in the run's record (``torchft.json``, with ``record``'s fields); None otherwise.
+    ``host``: the name the groups reach it by, where they are not on this machine (SLURM)."""
     if run.cluster.fault_tolerance != "torchft":
         return None
     cluster = run.cluster
-    groups = cluster.workers // cluster.ranks_per_group
+    groups = cluster.replica_groups
     lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
-    record_lighthouse(run.run_dir, lighthouse.address(), replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
+    address = lighthouse.address() if host is None else f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"
+    record_lighthouse(run.run_dir, address, replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
                       min_replicas=cluster.min_replicas, join_timeout_s=cluster.join_timeout_s,
-                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_rejoins=cluster.max_rejoins)
+                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_rejoins=cluster.max_rejoins, **record)
     of = f" of {cluster.ranks_per_group} ranks" if cluster.ranks_per_group > 1 else ""
-    print(f"[lowcomm] torchft: {groups} replica groups{of}, lighthouse at {lighthouse.address()}; an exchange "
-          f"commits with {cluster.min_replicas} or more, a lost group is relaunched to rejoin (at most "
-          f"{cluster.max_rejoins} times)", flush=True)
+    again = (f"a lost group's job is requeued to rejoin (cluster.max_requeues={cluster.max_requeues} per group)"
+             if cluster.launcher == "slurm" else
+             f"a lost group is relaunched to rejoin (at most {cluster.max_rejoins} times)")
+    print(f"[lowcomm] torchft: {groups} replica groups{of}, lighthouse at {address}; an exchange commits with "
+          f"{cluster.min_replicas} or more, {again}", flush=True)
     return lighthouse
 
 

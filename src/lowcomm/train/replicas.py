@@ -38,9 +38,10 @@ def replica_run_dir(run_dir: str | Path, replica: int) -> Path:
     return run_dir if replica == 0 else run_dir / "replicas" / str(replica)
 
 
-# Under torchrun, each replica group is one torchrun (``--standalone``, its own rendezvous and
-# restarts) of cluster.ranks_per_group ranks, and this says which group it is (torchft's
-# REPLICA_GROUP_ID); the local launcher's workers are numbered across groups instead.
+# Under torchrun each replica group is one torchrun (``--standalone``, its own rendezvous and
+# restarts), under SLURM a job of its own (a node; :mod:`lowcomm.launch.slurm` sets it), and this
+# says which group it is (torchft's REPLICA_GROUP_ID); the local launcher's workers are numbered
+# across groups instead.
 REPLICA_GROUP_ENV = "LOWCOMM_REPLICA_GROUP"
 
 
@@ -52,20 +53,24 @@ def group_env(env: DistEnv, ranks_per_group: int) -> DistEnv:
 
 
 def group_place(run: RunConfig, env: DistEnv) -> tuple[int, DistEnv]:
-    """(this worker's replica group, its environment within the group). Under torchrun
-    (``$LOWCOMM_REPLICA_GROUP``) torchrun's world is the group; under the local launcher rank r
+    """(this worker's replica group, its environment within the group). Under torchrun or SLURM
+    (``$LOWCOMM_REPLICA_GROUP``) the launch's world is the group; under the local launcher rank r
     of the launch is rank r mod R of group r // R. A layout that does not fit the config is a
     ConfigError naming both."""
-    ranks, groups = run.cluster.ranks_per_group, run.cluster.workers // run.cluster.ranks_per_group
+    cluster = run.cluster
+    ranks, groups = cluster.ranks_per_group, cluster.replica_groups
     given = os.environ.get(REPLICA_GROUP_ENV)
     if given is None:
         return env.rank // ranks, group_env(env, ranks)
     if not given.isdigit() or int(given) >= groups:
+        spread = (f"cluster.nodes={cluster.nodes}, a group each" if cluster.launcher == "slurm" else
+                  f"cluster.workers={cluster.workers} in groups of {ranks}")
         raise ConfigError([f"${REPLICA_GROUP_ENV}={given!r} is not a replica group of this run (0 ... {groups - 1}: "
-                           f"cluster.workers={run.cluster.workers} in groups of {ranks})"])
+                           f"{spread})"])
     if env.world_size != ranks:
-        raise ConfigError([f"under torchrun each replica group is one torchrun of cluster.ranks_per_group ({ranks}) "
-                           f"ranks, but this one has {env.world_size} (--nproc-per-node, one node: --standalone)"])
+        raise ConfigError([f"each replica group started apart (a torchrun, a SLURM job) has cluster.ranks_per_group "
+                           f"({ranks}) ranks, but this one has {env.world_size} (torchrun: --nproc-per-node on one "
+                           "node, --standalone)"])
     return int(given), env
 
 
@@ -80,17 +85,30 @@ def locked_dir(run: RunConfig) -> Path:
     return path
 
 
-def lighthouse_address(run_dir: Path) -> str:
+def lighthouse_address(run_dir: Path, wait_s: float = 0.0) -> str:
     """The job's lighthouse: the launcher's ``$LOWCOMM_TORCHFT_LIGHTHOUSE``, else the run's record
-    (``torchft.json``, written by the launcher or by ``lowcomm-lighthouse --record``)."""
+    (``torchft.json``, written by the launcher, ``lowcomm-lighthouse --record`` or the SLURM
+    lighthouse job), waited for at most ``wait_s`` (a group's job may start before the
+    lighthouse's)."""
     if address := os.environ.get(LIGHTHOUSE_ENV):
         return address
     record = Path(run_dir) / FT_RECORD
+    deadline, said = time.monotonic() + wait_s, False
+    while not record.is_file() and time.monotonic() < deadline:
+        if not said:
+            print(f"[lowcomm] waiting for the lighthouse's address in {record} (at most {wait_s:.0f} s)", flush=True)
+            said = True
+        time.sleep(LIGHTHOUSE_POLL_S)
     if record.is_file():
         return str(json.loads(record.read_text())["lighthouse"])
     raise RuntimeError(f"cluster.fault_tolerance=torchft but no lighthouse: neither ${LIGHTHOUSE_ENV} nor {record} "
-                       "(the local launcher starts one per job; under torchrun start `lowcomm-lighthouse --record "
+                       f"{f'after {wait_s:.0f} s ' if wait_s else ''}(the local launcher starts one per job, and a "
+                       "SLURM submission a lighthouse job; under torchrun start `lowcomm-lighthouse --record "
                        "RUN_DIR` first)")
+
+
+# How often a group waiting for the lighthouse's record looks for it
+LIGHTHOUSE_POLL_S = 1.0
 
 
 class ReplicaGroup:
@@ -101,8 +119,8 @@ class ReplicaGroup:
     (``MASTER_ADDR``/``MASTER_PORT``: the local launcher's, or the group's torchrun's)."""
 
     def __init__(self, run: RunConfig, replica: int, members: Communicator, device: torch.device):
-        lighthouse = lighthouse_address(run.run_dir)
-        self.replica, self.replicas = replica, run.cluster.workers // run.cluster.ranks_per_group
+        lighthouse = lighthouse_address(run.run_dir, wait_s=run.cluster.collective_timeout_s)
+        self.replica, self.replicas = replica, run.cluster.replica_groups
         self.lighthouse = lighthouse
         self.members = members
         self.shared_dir = Path(run.run_dir)  # the run's, where the groups of a launch meet

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from lowcomm.config import slurm_profile
 from lowcomm.distenv import setup_distributed_from_slurm
-from lowcomm.launch.slurm.job import PreemptionFlag, TrainingJob
+from lowcomm.launch.slurm.job import LighthouseJob, PreemptionFlag, TrainingJob
 from lowcomm.launch.slurm.queue import (
     PENDING_STATES,
     RUNNING_STATES,
@@ -60,7 +60,9 @@ from lowcomm.launch.slurm.submit import (
     Submission,
     batch_script,
     check_profile,
+    lighthouse_shape,
     make_executor,
+    replica_group_shape,
     srun_line,
     submit_run,
     submit_training,
@@ -68,8 +70,8 @@ from lowcomm.launch.slurm.submit import (
 )
 
 __all__ = [
-    "ENVIRONMENT_DEFAULTS", "PENDING_STATES", "RUNNING_STATES", "PreemptionFlag", "Queue", "QueuedJob",
+    "ENVIRONMENT_DEFAULTS", "PENDING_STATES", "RUNNING_STATES", "LighthouseJob", "PreemptionFlag", "Queue", "QueuedJob",
     "RunState", "SlurmUnavailable", "Submission", "TrainingJob", "batch_script", "check_profile", "last_logged",
-    "last_submission", "make_executor", "run_state", "setup_distributed_from_slurm", "slurm_profile",
+    "last_submission", "lighthouse_shape", "make_executor", "replica_group_shape", "run_state", "setup_distributed_from_slurm", "slurm_profile",
     "srun_line", "submit_run", "submit_training", "submitit_parameters",
 ]

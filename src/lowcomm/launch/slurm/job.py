@@ -12,7 +12,9 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
+import time
 import warnings
 from typing import Any, NoReturn
 
@@ -20,8 +22,11 @@ import submitit
 
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
+from lowcomm.launch.local import replica_lighthouse
+from lowcomm.launch.slurm.queue import PENDING_STATES, RUNNING_STATES
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
+from lowcomm.train.replicas import REPLICA_GROUP_ENV
 from lowcomm.train.stop import AnyStop, StopFlag
 from lowcomm.train.worker import (
     BAD_INPUT,
@@ -68,10 +73,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
     Checkpointable: submitit resubmits the same callable (the config path is all its state) when
     it requeues the job; the training loop finds its own checkpoints in the run directory.
     Returns the run's summary (the same dict as ``summary.json``) from every rank.
+
+    ``replica_group``: under ``cluster.fault_tolerance=torchft`` the job is that replica group
+    alone (a node of the run's ranks, one element of the run's job array), which is requeued
+    apart from the others (:func:`lowcomm.launch.slurm.submit.submit_training`).
     """
 
-    def __init__(self, config_path: str) -> None:
+    def __init__(self, config_path: str, replica_group: int | None = None) -> None:
         self.config_path = config_path
+        self.replica_group = replica_group
 
     def __call__(self) -> dict[str, Any]:
         # First, so that a signal arriving during start-up is not lost; submitit's handler,
@@ -86,6 +96,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         # a cancelled one stays cancelled).
         term = StopFlag.install(signal.SIGTERM)
         rank, _, _, _ = setup_distributed_from_slurm()
+        if self.replica_group is not None:  # this job's world is the group's (lowcomm.train.replicas.group_place)
+            os.environ[REPLICA_GROUP_ENV] = str(self.replica_group)
         if rank != 0:
             warnings.filterwarnings("ignore")
         # lowcomm's loggers only: submitit's logger writes to the same task log by itself.
@@ -123,6 +135,45 @@ class TrainingJob(submitit.helpers.Checkpointable):
                   "or the run is submitted again", flush=True)
             raise SystemExit(128 + signal.SIGTERM)
         return result.summary
+
+
+class LighthouseJob(submitit.helpers.Checkpointable):
+    """The torchft lighthouse of a run whose replica groups are SLURM jobs (the elements of the
+    job array ``groups_job``): one task, no GPU. It records its address (this node's hostname)
+    in the run's ``torchft.json``, where the groups' workers wait for it, and serves until no
+    element of the array is pending or running any more (finished, failed or cancelled)."""
+
+    def __init__(self, config_path: str, groups_job: str) -> None:
+        self.config_path = config_path
+        self.groups_job = groups_job
+
+    def __call__(self) -> dict[str, Any]:
+        run = validate(load_run_config(self.config_path))
+        job = submitit.JobEnvironment()
+        lighthouse = replica_lighthouse(run, host=socket.gethostname(), lighthouse_job=job.job_id,
+                                        groups_job=self.groups_job)
+        try:
+            while groups_in_queue(self.groups_job):
+                time.sleep(GROUPS_POLL_S)
+        finally:
+            lighthouse.shutdown()
+        print(f"[lowcomm] no job of array {self.groups_job} is pending or running: lighthouse stopped", flush=True)
+        return {"groups_job": self.groups_job}
+
+
+# How often the lighthouse job looks whether any of its replica groups' jobs is still queued
+GROUPS_POLL_S = 10.0
+
+
+def groups_in_queue(array_job: str) -> bool:
+    """Whether an element of job array ``array_job`` is pending or running; True when squeue
+    cannot say (a busy controller must not stop the lighthouse of running groups), False once
+    the controller has forgotten the array (MinJobAge after its last element ended)."""
+    shown = subprocess.run(["squeue", "--noheader", "--states=all", "--jobs", array_job, "--format=%T"],
+                           capture_output=True, text=True, timeout=60)
+    if shown.returncode != 0:
+        return "invalid job id" not in shown.stderr.lower()
+    return any(state in PENDING_STATES or state in RUNNING_STATES for state in shown.stdout.split())
 
 
 def leave_after_loss(lost: PeersLost) -> NoReturn:

@@ -66,12 +66,16 @@ class Queue:
 
     def find(self, job_id: str | None = None, name: str | None = None) -> QueuedJob | None:
         """The job with this id or name: an active one first (the newest), else the job with
-        this id in a final state, else None."""
-        matching = [job for job in self.jobs if job.job_id == job_id or (name is not None and job.name == name)]
+        this id in a final state, else None. A job array's id finds its elements (``<id>_<i>``)."""
+
+        def has_id(job: QueuedJob) -> bool:
+            return job_id is not None and (job.job_id == job_id or job.job_id.startswith(f"{job_id}_"))
+
+        matching = [job for job in self.jobs if has_id(job) or (name is not None and job.name == name)]
         active = [job for job in matching if job.active]
         if active:
             return active[-1]
-        recorded = [job for job in matching if job.job_id == job_id]
+        recorded = [job for job in matching if has_id(job)]
         return recorded[-1] if recorded else None
 
 

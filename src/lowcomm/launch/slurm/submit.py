@@ -13,10 +13,11 @@ from typing import Any
 import submitit
 from submitit.core.utils import FailedJobError
 
-from lowcomm.config import ConfigError, RunConfig, slurm_profile
+from lowcomm.comm.ft import FT_RECORD
+from lowcomm.config import ClusterSpec, ConfigError, RunConfig, slurm_profile
 from lowcomm.launch.estimate import plan_job
 from lowcomm.launch.local import prepare_run_dir
-from lowcomm.launch.slurm.job import TrainingJob
+from lowcomm.launch.slurm.job import LighthouseJob, TrainingJob
 from lowcomm.launch.slurm.queue import Queue, RunState, SlurmUnavailable, run_state
 from lowcomm.rundir import SUBMISSIONS_FILE, RunDir
 
@@ -34,6 +35,7 @@ def submitit_parameters(
     *,
     job_name: str | None = None,
     environ: Mapping[str, str] | None = None,
+    shape: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``submitit.AutoExecutor.update_parameters`` describing ``profile``
     (anything :func:`slurm_profile` accepts).
@@ -41,8 +43,10 @@ def submitit_parameters(
     ``max_requeues`` is not among them: submitit takes it when the executor is built
     (``AutoExecutor(folder, slurm_max_num_timeout=...)``); :func:`make_executor` does both.
     ``environ`` (default ``os.environ``) supplies partition/account/qos the profile leaves unset.
+    ``shape``: profile fields this job has otherwise than the run (a replica group's job, the
+    lighthouse's: :func:`replica_group_shape`), set once the run's profile is checked.
     """
-    profile = slurm_profile(profile)
+    profile = dataclasses.replace(slurm_profile(profile), **(shape or {}))
     environ = os.environ if environ is None else environ
     parameters: dict[str, Any] = {
         "nodes": profile.nodes,
@@ -78,6 +82,7 @@ def make_executor(
     job_name: str | None = None,
     environ: Mapping[str, str] | None = None,
     cluster: str = "slurm",
+    shape: Mapping[str, Any] | None = None,
 ) -> submitit.AutoExecutor:
     """A submitit executor writing its job files and logs under ``folder``, set up for ``profile``.
 
@@ -88,7 +93,7 @@ def make_executor(
     executor = submitit.AutoExecutor(
         folder=folder, cluster=cluster, slurm_max_num_timeout=profile.max_requeues
     )
-    parameters = submitit_parameters(profile, job_name=job_name, environ=environ)
+    parameters = submitit_parameters(profile, job_name=job_name, environ=environ, shape=shape)
     if cluster != "slurm":
         parameters = {key: value for key, value in parameters.items() if not key.startswith("slurm_")}
     executor.update_parameters(**parameters)
@@ -110,14 +115,33 @@ def batch_script(run: RunConfig, *, environ: Mapping[str, str] | None = None) ->
     submitit's own code from the parameters :func:`make_executor` gives it. Writes nothing."""
     check_profile(run)
     run = _with_absolute_run_root(run)
-    parameters = submitit_parameters(run.cluster, job_name=run.run_name, environ=environ)
+    groups = run.cluster.fault_tolerance == "torchft"
+    parameters = submitit_parameters(run.cluster, job_name=run.run_name, environ=environ,
+                                     shape=replica_group_shape(run.cluster) if groups else None)
     executor = _ScriptRenderer(RunDir(run.run_dir).slurm_dir, max_num_timeout=run.cluster.max_requeues)
     # what AutoExecutor does with them: the generic names in SLURM's words (timeout_min -> time,
     # mem_gb -> mem, ...), the slurm_ ones as they are
     generic = {key: value for key, value in parameters.items() if not key.startswith("slurm_")}
     specific = {key.removeprefix("slurm_"): value for key, value in parameters.items() if key.startswith("slurm_")}
     executor.update_parameters(**executor._convert_parameters(generic), **specific)  # noqa: SLF001
+    if groups:  # what executor.batch() adds: one element per replica group
+        executor.parameters["map_count"] = run.cluster.replica_groups
     return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")  # noqa: SLF001
+
+
+def replica_group_shape(cluster: ClusterSpec) -> dict[str, Any]:
+    """Under ``cluster.fault_tolerance=torchft``, the job of one replica group: one node of the
+    run's, requeued by SLURM when that node fails (``--requeue``), apart from the other groups."""
+    return {"nodes": 1, "additional_parameters": {"requeue": True, **cluster.additional_parameters}}
+
+
+def lighthouse_shape(cluster: ClusterSpec) -> dict[str, Any]:
+    """The lighthouse job of a run whose replica groups are jobs: one task, one CPU, no GPU (nor
+    the profile's additional options, which may ask for them), in the run's partition, account
+    and qos, for as long as a group's job may be requeued for (``timeout_min`` x (1 +
+    ``max_requeues``))."""
+    return {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 0, "mem_gb": None,
+            "timeout_min": cluster.timeout_min * (1 + cluster.max_requeues), "additional_parameters": {}}
 
 
 def srun_line(script: str) -> str:
@@ -132,13 +156,18 @@ class Submission:
     run_dir: Path
     action: str  # submitted | skipped
     state: RunState  # the run's state before (skipped: why)
-    job_id: str | None
+    job_id: str | None  # under cluster.fault_tolerance=torchft: the replica groups' job array
     log_dir: Path
+    lighthouse_job: str | None = None  # their lighthouse's job
 
     def describe(self) -> str:
         if self.action == "submitted":
             resumed = (f", resumes from its latest checkpoint (last logged step {self.state.last_step})"
                        if self.state.last_step else "")
+            if self.lighthouse_job is not None:
+                return (f"submitted job array {self.job_id} (a replica group each) and its lighthouse job "
+                        f"{self.lighthouse_job}{resumed}; logs: {self.log_dir}/{self.job_id}_<group>_<task>_log."
+                        f"{{out,err}}")
             return (f"submitted job {self.job_id}{resumed}; logs: "
                     f"{self.log_dir}/{self.job_id}_<task>_log.{{out,err}}")
         job = f" (job {self.state.job_id})" if self.state.job_id else ""
@@ -177,13 +206,17 @@ def submit_training(
     if state.status == "done" or state.active:
         return Submission(run.run_dir, "skipped", state, state.job_id, log_dir)
     config_path = prepare_run_dir(run)
-    executor = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ)
     try:
-        job = executor.submit(TrainingJob(str(config_path)))
+        if run.cluster.fault_tolerance == "torchft":
+            job_id, jobs = _submit_replica_groups(run, config_path, log_dir, environ)
+        else:
+            executor = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ)
+            job_id, jobs = executor.submit(TrainingJob(str(config_path))).job_id, {}
     except (FailedJobError, OSError) as exc:
         raise SlurmUnavailable(f"sbatch failed for {run.run_name}: {exc}") from exc
     record = {
-        "job_id": job.job_id,
+        "job_id": job_id,
+        **jobs,
         "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "job_name": run.run_name,
         "nodes": run.cluster.nodes,
@@ -194,7 +227,26 @@ def submit_training(
     log_dir.mkdir(parents=True, exist_ok=True)
     with (log_dir / SUBMISSIONS_FILE).open("a") as handle:
         handle.write(json.dumps(record) + "\n")
-    return Submission(run.run_dir, "submitted", state, job.job_id, log_dir)
+    return Submission(run.run_dir, "submitted", state, job_id, log_dir, jobs.get("lighthouse_job"))
+
+
+def _submit_replica_groups(run: RunConfig, config_path: Path, log_dir: Path,
+                           environ: Mapping[str, str] | None) -> tuple[str, dict[str, Any]]:
+    """``cluster.fault_tolerance=torchft``: the run's replica groups as one job array (a node
+    each, requeued apart), then their lighthouse as a job of its own. Returns (the array's id,
+    what the submission record adds). The lighthouse's old record goes first: the groups wait
+    for the new one."""
+    (Path(run.run_dir) / FT_RECORD).unlink(missing_ok=True)
+    groups = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ,
+                           shape=replica_group_shape(run.cluster))
+    with groups.batch():
+        elements = [groups.submit(TrainingJob(str(config_path), replica_group=group))
+                    for group in range(run.cluster.replica_groups)]
+    array = elements[0].job_id.split("_", 1)[0]
+    lighthouse = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ,
+                               shape=lighthouse_shape(run.cluster))
+    beacon = lighthouse.submit(LighthouseJob(str(config_path), array))
+    return array, {"replica_group_jobs": [element.job_id for element in elements], "lighthouse_job": beacon.job_id}
 
 
 def submit_run(run: RunConfig) -> Path:
