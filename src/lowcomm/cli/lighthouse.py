@@ -1,6 +1,7 @@
 """``lowcomm-lighthouse``: the torchft lighthouse of a run whose replica groups are started apart.
 
-Under ``cluster.fault_tolerance=torchft`` the local launcher starts the lighthouse itself. Under
+Under ``cluster.fault_tolerance=torchft`` the local launcher starts the lighthouse itself, and a
+SLURM submission submits it as a job of its own (:class:`lowcomm.launch.slurm.LighthouseJob`). Under
 torchrun each replica group is a torchrun of its own (``--standalone``, restarted by its own
 ``--max-restarts``), told which group it is by ``$LOWCOMM_REPLICA_GROUP``; the groups meet at
 this lighthouse, started first on a host they all reach. It serves until stopped (Ctrl-C,
@@ -23,7 +24,7 @@ DESCRIPTION = (
     "restarted by its own --max-restarts, told its group by $LOWCOMM_REPLICA_GROUP). Start it first, on a host "
     "every group reaches; it serves until Ctrl-C or SIGTERM and writes its address to RUN_DIR/torchft.json, "
     "where the groups' workers find it ($LOWCOMM_TORCHFT_LIGHTHOUSE overrides the record). The local launcher "
-    "starts its own.")
+    "starts its own, and a SLURM submission a lighthouse job beside its groups' job array.")
 STOPS = {signal.SIGINT, signal.SIGTERM}
 EXAMPLE = """example, two nodes of 8 GPUs as two replica groups of the run in $RUN (cluster.workers=16
 cluster.ranks_per_group=8 cluster.fault_tolerance=torchft run_name=..., its config.yaml prepared):
