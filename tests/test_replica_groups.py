@@ -26,6 +26,7 @@ from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import ConfigError, validate
 from lowcomm.config.compose import compose
+from lowcomm.launch.estimate import checkpoint_estimate
 from lowcomm.launch.local import launch_local
 from lowcomm.models import build_model
 from lowcomm.report.figures import mark_membership, plot_loss_curves
@@ -167,6 +168,17 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
             assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
         assert summary["payload_MB_per_step"] == pytest.approx(expected["payload_MB_per_step"])
         assert summary["world_size"] == 2 and summary["heal_rx_MB"] == summary["heal_tx_MB"] == 0
+    # the dry run's checkpoint size: the replicated state once per group (groups checkpoint apart)
+    estimate = checkpoint_estimate(groups)
+    per_rank = (estimate.boundary_per_rank_bytes if estimate.final_on_boundary and estimate.boundary_per_rank_bytes
+                is not None else estimate.per_rank_bytes)
+    expected_bytes = 2 * estimate.replicated_bytes + 2 * per_rank
+    written = sum(path.stat().st_size for replica in (0, 1) for path in
+                  (replica_run_dir(groups.run_dir, replica) / "checkpoints" / "step_000000006").glob("*.pt"))
+    assert estimate.replicated_copies == 2 and estimate.total_bytes >= expected_bytes
+    assert written <= 1.05 * expected_bytes + 64_000, (written, estimate)
+    # (Streaming DiLoCo's is the most a checkpoint holds: its fragments' means in flight, none at the end)
+    assert written >= expected_bytes or "num_fragments" in STRATEGIES[name].Config.__dataclass_fields__
 
 
 @pytest.mark.slow

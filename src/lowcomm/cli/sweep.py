@@ -73,7 +73,7 @@ def _fields(values: dict) -> str:
 
 def _describe_run(plan: JobPlan) -> list[tuple[str, str]]:
     """The resolved values that decide what a job trains and what it asks SLURM for, and why."""
-    from lowcomm.launch.slurm import submitit_parameters
+    from lowcomm.launch.slurm import lighthouse_shape, submitit_parameters
 
     run, estimate = plan.run, plan.estimate
     train, cluster = run.train, run.cluster
@@ -107,6 +107,13 @@ def _describe_run(plan: JobPlan) -> list[tuple[str, str]]:
             f"CPUs/task, {where}; {cluster.signal} {cluster.signal_delay_s} s before the end, up to "
             f"{cluster.max_requeues} time-out requeues",
         ))
+        if cluster.fault_tolerance == "torchft":
+            lines.append((
+                "torchft",
+                f"a job array of {cluster.replica_groups} one-node replica groups, each requeued apart (--requeue), "
+                f"and a lighthouse job (1 CPU, {lighthouse_shape(cluster)['timeout_min']} min); an exchange "
+                f"commits with {cluster.min_replicas} or more groups",
+            ))
         lines.append(("time limit", plan.describe_time()))
     if estimate.gpu_hours is None:
         lines.append(("estimate", "no GPUs requested: no GPU-hours"))

@@ -86,12 +86,19 @@ class CheckpointEstimate:
     periodic_on_boundary: bool = False
     periodic_checkpoints: bool = True  # train.checkpoint_every > 0 (else only the final one)
     final_on_boundary: bool = False  # train.max_steps ends on an outer boundary
+    # who writes the replicated state: rank 0, or under cluster.fault_tolerance=torchft each
+    # replica group's rank 0 (groups that fail apart checkpoint apart)
+    replicated_copies: int = 1
+
+    @property
+    def replicated_total_bytes(self) -> float:
+        return self.replicated_copies * self.replicated_bytes
 
     @property
     def total_bytes(self) -> float:
         """The largest checkpoint: one written between two outer boundaries (a preemption may
         write it at any step)."""
-        return self.replicated_bytes + self.world_size * self.per_rank_bytes
+        return self.replicated_total_bytes + self.world_size * self.per_rank_bytes
 
     def _per_rank(self, on_boundary: bool) -> float:
         """Per rank, a checkpoint's at an outer boundary (where the method has one) or between two."""
@@ -110,7 +117,7 @@ class CheckpointEstimate:
     @property
     def periodic_total_bytes(self) -> float:
         """Each periodic checkpoint (every ``train.checkpoint_every`` steps)."""
-        return self.replicated_bytes + self.world_size * self.periodic_per_rank_bytes
+        return self.replicated_total_bytes + self.world_size * self.periodic_per_rank_bytes
 
     @property
     def slowest_rank_bytes(self) -> float:
@@ -160,12 +167,14 @@ class CheckpointEstimate:
     def describe(self) -> str:
         text = ""
         boundary = self.boundary_per_rank_bytes
+        once, writer = ("once", "rank 0") if self.replicated_copies == 1 else \
+            (f"per replica group x {self.replicated_copies}", "each group's rank 0")
         if boundary is not None and self.periodic_on_boundary:
             text = (f"{self.periodic_total_bytes / 1e9:,.2f} GB each periodic one, at an outer boundary "
-                    f"({self.replicated_bytes / 1e9:,.2f} GB once + {boundary / 1e9:,.2f} GB per rank x "
+                    f"({self.replicated_bytes / 1e9:,.2f} GB {once} + {boundary / 1e9:,.2f} GB per rank x "
                     f"{self.world_size}, no worker's own parameters), {self.periodic_write_s:,.0f} s; "
                     "between two boundaries (a preemption's): ")
-        text += (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB once (rank 0) + "
+        text += (f"{self.total_bytes / 1e9:,.2f} GB in all: {self.replicated_bytes / 1e9:,.2f} GB {once} ({writer}) + "
                  f"{self.per_rank_bytes / 1e9:,.2f} GB per rank x {self.world_size}; {self.write_s:,.0f} s: the "
                  f"ranks write at once at {self.rank_bandwidth / 1e6:,.0f} MB/s each (cluster.rank_write_MBps), "
                  f"rank 0 the most ({self.slowest_rank_bytes / 1e9:,.2f} GB), "
@@ -173,7 +182,7 @@ class CheckpointEstimate:
         if self.lead_time_s is not None:
             text += f" (preemption lead time {self.lead_time_s:g} s)"
         if boundary is not None and not self.periodic_on_boundary and self.periodic_checkpoints:
-            at_boundary = self.replicated_bytes + self.world_size * boundary
+            at_boundary = self.replicated_total_bytes + self.world_size * boundary
             text += (f"; at outer boundaries each would be {at_boundary / 1e9:,.2f} GB (no worker's own parameters): "
                      "make train.checkpoint_every a multiple of optimizer.sync_every")
         if not self.fits:
@@ -204,7 +213,8 @@ def checkpoint_estimate(run: RunConfig, *, rank_bandwidth: float | None = None) 
                               float(cluster.collective_timeout_s), boundary,
                               periodic_on_boundary=bool(every) and strategy.outer_boundary(every),
                               periodic_checkpoints=bool(every),
-                              final_on_boundary=strategy.outer_boundary(run.train.max_steps))
+                              final_on_boundary=strategy.outer_boundary(run.train.max_steps),
+                              replicated_copies=cluster.replica_groups if cluster.fault_tolerance == "torchft" else 1)
 
 
 # A job asks SLURM for its estimated training time times this: the MFU is an assumption (a run at
