@@ -148,18 +148,21 @@ def test_a_torchft_runs_groups_are_one_node_jobs_of_an_array_requeued_apart_and_
                             "cluster.fault_tolerance=torchft", "cluster.ranks_per_group=2",
                             "+cluster.additional_parameters.constraint=fast"]))
     script = batch_script(run).splitlines()
-    # one element per node's group, each the node's 2 ranks; SLURM requeues an element whose node fails
+    # one element per node's group, each the node's 2 ranks; SLURM requeues an element whose node
+    # fails, and starts the elements once the lighthouse job has
     for line in ("#SBATCH --array=0-1%2", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue",
-                 "#SBATCH --constraint=fast"):
+                 "#SBATCH --constraint=fast", "#SBATCH --dependency='after:<lighthouse job>'",
+                 "#SBATCH --kill-on-invalid-dep=yes"):
         assert line in script, line
-    group = submitit_parameters(run.cluster, environ={}, shape=replica_group_shape(run.cluster))
+    group = submitit_parameters(run.cluster, environ={}, shape=replica_group_shape(run.cluster, "7"))
     assert (group["nodes"], group["tasks_per_node"], group["timeout_min"]) == (1, 2, 30)
+    assert group["slurm_additional_parameters"]["dependency"] == "after:7"
     lighthouse = submitit_parameters(run.cluster, environ={"LOWCOMM_SLURM_PARTITION": "cpu"},
                                      shape=lighthouse_shape(run.cluster))
     # one CPU task, none of the profile's extra options (which may ask for GPUs), for as long as a
     # group's job may be requeued for: 30 min x (1 + max_requeues=1)
     assert (lighthouse["nodes"], lighthouse["tasks_per_node"], lighthouse["cpus_per_task"]) == (1, 1, 1)
-    assert "gpus_per_node" not in lighthouse and "mem_gb" not in lighthouse and lighthouse["timeout_min"] == 60
+    assert "gpus_per_node" not in lighthouse and lighthouse["mem_gb"] == 2 and lighthouse["timeout_min"] == 60
     assert lighthouse["slurm_additional_parameters"] == {"signal": "USR2@60"}
     assert lighthouse["slurm_partition"] == "cpu"
     # the run's own checks hold for the run (2 nodes), not for the one-node shapes
@@ -168,15 +171,18 @@ def test_a_torchft_runs_groups_are_one_node_jobs_of_an_array_requeued_apart_and_
                           "cluster.fault_tolerance=torchft", "cluster.ranks_per_group=2", "cluster.min_replicas=3"]))
 
 
-def test_a_job_arrays_id_finds_its_elements_in_the_queue():
+def test_a_job_arrays_id_finds_its_elements_in_the_queue_before_a_job_of_the_runs_name():
     from lowcomm.launch.slurm import Queue, QueuedJob
 
-    queue = Queue((QueuedJob("41_0", "ft-run", "RUNNING"), QueuedJob("41_1", "ft-run", "COMPLETED"),
-                   QueuedJob("42", "ft-run", "RUNNING"), QueuedJob("410", "other", "PENDING")))
-    assert queue.find(job_id="41").job_id == "41_0"  # an active element first
-    assert queue.find(job_id="4") is None  # 41's elements are not 4's, nor is 410
-    done = Queue((QueuedJob("41_0", "ft-run", "COMPLETED"),))
-    assert done.find(job_id="41").state == "COMPLETED"
+    pending = Queue((QueuedJob("41_[0-1%2]", "ft-run", "PENDING"), QueuedJob("40", "ft-run", "RUNNING"),
+                     QueuedJob("410", "other", "RUNNING")))
+    # the array's pending elements, not its lighthouse job (40, the run's name too), running
+    assert pending.find(job_id="41", name="ft-run").job_id == "41_[0-1%2]"
+    assert pending.find(job_id="4") is None  # 41's elements are not 4's, nor is 410
+    ended = Queue((QueuedJob("41_0", "ft-run", "FAILED"), QueuedJob("41_1", "ft-run", "FAILED"),
+                   QueuedJob("40", "ft-run", "RUNNING")))
+    assert ended.find(job_id="41", name="ft-run", besides="40").state == "FAILED"  # not "running" as job 40
+    assert ended.find(job_id="39", name="ft-run").job_id == "40"  # another submission of the run: by its name
 
 
 def test_world_size():

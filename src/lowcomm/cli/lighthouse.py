@@ -59,13 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("join_timeout", "heartbeat_timeout"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    from lowcomm.comm.ft import record_lighthouse, start_lighthouse
+    from lowcomm.comm.ft import lighthouse_url, record_lighthouse, start_lighthouse
 
     # Ctrl-C and SIGTERM wait for sigwait below, in every thread (the lighthouse's inherit the mask)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     lighthouse = start_lighthouse(args.min_replicas, args.join_timeout, args.heartbeat_timeout)
-    port = lighthouse.address().rsplit(":", 1)[1]
-    address = f"http://{args.host}:{port}"
+    address = lighthouse_url(args.host, lighthouse.address())
     print(f"[lowcomm] lighthouse at {address}: replica groups commit with {args.min_replicas} or more",
           flush=True)
     if args.record is not None:

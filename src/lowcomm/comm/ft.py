@@ -60,6 +60,12 @@ def start_lighthouse(min_replicas: int, join_timeout_s: float, heartbeat_timeout
                             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
+def lighthouse_url(host: str, address: str) -> str:
+    """The address of a lighthouse serving at ``address`` (``http://[::]:port``: every interface)
+    as groups on other hosts reach it: by ``host``'s name."""
+    return f"http://{host}:{address.rsplit(':', 1)[1]}"
+
+
 def record_lighthouse(run_dir: str | Path, address: str, **settings) -> Path:
     """Write the run's ``torchft.json``: the lighthouse's ``address`` and ``settings``; where a
     worker finds the lighthouse when no launcher of its own told it (torchrun)."""

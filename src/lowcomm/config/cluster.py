@@ -152,10 +152,8 @@ def fault_tolerance_errors(cluster: ClusterSpec) -> list[str]:
         errors.append(f"cluster.workers ({cluster.workers}) must be a multiple of cluster.ranks_per_group "
                       f"({cluster.ranks_per_group}): every replica group has as many ranks")
     elif cluster.min_replicas > cluster.replica_groups:
-        spread = (f"cluster.nodes={cluster.nodes}, a group each" if cluster.launcher == "slurm" else
-                  f"cluster.workers={cluster.workers} in groups of {cluster.ranks_per_group}")
         errors.append(f"cluster.min_replicas ({cluster.min_replicas}) is more than the run's replica groups "
-                      f"({cluster.replica_groups}: {spread}): no exchange could ever commit")
+                      f"({cluster.replica_groups}: {cluster.describe_replica_groups()}): no exchange could ever commit")
     return errors
 
 

@@ -145,6 +145,12 @@ class ClusterSpec:
         SLURM a node each, each its own job)."""
         return self.world_size // self.ranks_per_group
 
+    def describe_replica_groups(self) -> str:
+        """Where the replica groups come from, in the config's words."""
+        if self.launcher == "slurm":
+            return f"cluster.nodes={self.nodes}, a group each"
+        return f"cluster.workers={self.workers} in groups of {self.ranks_per_group}"
+
 
 @dataclass
 class WandbSpec:

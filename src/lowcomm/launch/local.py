@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from lowcomm.comm.ft import LIGHTHOUSE_ENV, record_lighthouse, start_lighthouse
+from lowcomm.comm.ft import LIGHTHOUSE_ENV, lighthouse_url, record_lighthouse, start_lighthouse
 from lowcomm.config import ConfigError, RunConfig, load_run_config
 from lowcomm.config.data_checks import check_run_data
 from lowcomm.config.naming import changed_keys, what_is_trained
@@ -296,13 +296,15 @@ def replica_lighthouse(run: RunConfig, host: str | None = None, **record):
     cluster = run.cluster
     groups = cluster.replica_groups
     lighthouse = start_lighthouse(cluster.min_replicas, cluster.join_timeout_s, HEARTBEAT_TIMEOUT_S)
-    address = lighthouse.address() if host is None else f"http://{host}:{lighthouse.address().rsplit(':', 1)[1]}"
+    address = lighthouse.address() if host is None else lighthouse_url(host, lighthouse.address())
+    slurm = cluster.launcher == "slurm"
     record_lighthouse(run.run_dir, address, replica_groups=groups, ranks_per_group=cluster.ranks_per_group,
                       min_replicas=cluster.min_replicas, join_timeout_s=cluster.join_timeout_s,
-                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_rejoins=cluster.max_rejoins, **record)
+                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, **({} if slurm else {"max_rejoins": cluster.max_rejoins}),
+                      **record)
     of = f" of {cluster.ranks_per_group} ranks" if cluster.ranks_per_group > 1 else ""
-    again = (f"a lost group's job is requeued to rejoin (cluster.max_requeues={cluster.max_requeues} per group)"
-             if cluster.launcher == "slurm" else
+    again = ("a lost group's job is requeued to rejoin (by SLURM when its node fails; by the group when a rank of it "
+             "finds a peer of its own lost, at most cluster.max_requeues times)" if slurm else
              f"a lost group is relaunched to rejoin (at most {cluster.max_rejoins} times)")
     print(f"[lowcomm] torchft: {groups} replica groups{of}, lighthouse at {address}; an exchange commits with "
           f"{cluster.min_replicas} or more, {again}", flush=True)

@@ -63,10 +63,8 @@ def group_place(run: RunConfig, env: DistEnv) -> tuple[int, DistEnv]:
     if given is None:
         return env.rank // ranks, group_env(env, ranks)
     if not given.isdigit() or int(given) >= groups:
-        spread = (f"cluster.nodes={cluster.nodes}, a group each" if cluster.launcher == "slurm" else
-                  f"cluster.workers={cluster.workers} in groups of {ranks}")
         raise ConfigError([f"${REPLICA_GROUP_ENV}={given!r} is not a replica group of this run (0 ... {groups - 1}: "
-                           f"{spread})"])
+                           f"{cluster.describe_replica_groups()})"])
     if env.world_size != ranks:
         raise ConfigError([f"each replica group started apart (a torchrun, a SLURM job) has cluster.ranks_per_group "
                            f"({ranks}) ranks, but this one has {env.world_size} (torchrun: --nproc-per-node on one "
@@ -119,7 +117,10 @@ class ReplicaGroup:
     (``MASTER_ADDR``/``MASTER_PORT``: the local launcher's, or the group's torchrun's)."""
 
     def __init__(self, run: RunConfig, replica: int, members: Communicator, device: torch.device):
-        lighthouse = lighthouse_address(run.run_dir, wait_s=run.cluster.collective_timeout_s)
+        # under SLURM a group's job starts once the lighthouse job has (--dependency=after), and
+        # waits for its record; elsewhere the lighthouse is started first
+        wait_s = run.cluster.collective_timeout_s if run.cluster.launcher == "slurm" else 0.0
+        lighthouse = lighthouse_address(run.run_dir, wait_s=wait_s)
         self.replica, self.replicas = replica, run.cluster.replica_groups
         self.lighthouse = lighthouse
         self.members = members

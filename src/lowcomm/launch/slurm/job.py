@@ -8,6 +8,8 @@ submitit's own handler, which requeues the job.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import re
@@ -16,10 +18,12 @@ import socket
 import subprocess
 import time
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 import submitit
 
+from lowcomm.comm.ft import FT_RECORD
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
 from lowcomm.launch.local import replica_lighthouse
@@ -137,43 +141,61 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return result.summary
 
 
-class LighthouseJob(submitit.helpers.Checkpointable):
-    """The torchft lighthouse of a run whose replica groups are SLURM jobs (the elements of the
-    job array ``groups_job``): one task, no GPU. It records its address (this node's hostname)
-    in the run's ``torchft.json``, where the groups' workers wait for it, and serves until no
-    element of the array is pending or running any more (finished, failed or cancelled)."""
+class LighthouseJob:
+    """The torchft lighthouse of a run whose replica groups are SLURM jobs (the elements of a job
+    array named after the run, which start once this job has: ``--dependency=after``): one task,
+    no GPU. It records its address (this node's hostname) in the run's ``torchft.json``, where
+    the groups' workers wait for it, and serves until no other job of the run's name is pending
+    or running (having seen one, or after ``UNSEEN_GROUPS_S``); then it removes its record.
 
-    def __init__(self, config_path: str, groups_job: str) -> None:
+    Not checkpointable: at its time limit it ends rather than coming back at another address
+    the running groups would not read (a preemption requeues it, as submitit does any job).
+    """
+
+    def __init__(self, config_path: str, run_name: str) -> None:
         self.config_path = config_path
-        self.groups_job = groups_job
+        self.run_name = run_name
 
     def __call__(self) -> dict[str, Any]:
         run = validate(load_run_config(self.config_path))
-        job = submitit.JobEnvironment()
-        lighthouse = replica_lighthouse(run, host=socket.gethostname(), lighthouse_job=job.job_id,
-                                        groups_job=self.groups_job)
+        job_id = submitit.JobEnvironment().job_id
+        lighthouse = replica_lighthouse(run, host=socket.gethostname(), lighthouse_job=job_id)
+        started, seen = time.monotonic(), False
         try:
-            while groups_in_queue(self.groups_job):
+            while True:
+                queued = others_queued(self.run_name, job_id)
+                seen = seen or queued
+                if not queued and (seen or time.monotonic() - started > UNSEEN_GROUPS_S):
+                    break
                 time.sleep(GROUPS_POLL_S)
         finally:
             lighthouse.shutdown()
-        print(f"[lowcomm] no job of array {self.groups_job} is pending or running: lighthouse stopped", flush=True)
-        return {"groups_job": self.groups_job}
+            record = Path(run.run_dir) / FT_RECORD
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(record.read_text()).get("lighthouse_job") == job_id:
+                    record.unlink()  # a group that starts later must not find a dead address
+        print(f"[lowcomm] no job named {self.run_name} is pending or running: lighthouse stopped", flush=True)
+        return {"lighthouse_job": job_id}
 
 
-# How often the lighthouse job looks whether any of its replica groups' jobs is still queued
+# How often the lighthouse job looks whether any of its replica groups' jobs is still queued, and
+# how long it waits for one it has not seen yet (the array is submitted right after it)
 GROUPS_POLL_S = 10.0
+UNSEEN_GROUPS_S = 300.0
 
 
-def groups_in_queue(array_job: str) -> bool:
-    """Whether an element of job array ``array_job`` is pending or running; True when squeue
-    cannot say (a busy controller must not stop the lighthouse of running groups), False once
-    the controller has forgotten the array (MinJobAge after its last element ended)."""
-    shown = subprocess.run(["squeue", "--noheader", "--states=all", "--jobs", array_job, "--format=%T"],
-                           capture_output=True, text=True, timeout=60)
+def others_queued(job_name: str, own_id: str) -> bool:
+    """Whether a job named ``job_name`` other than ``own_id`` is pending or running; True when
+    squeue cannot say (a busy controller must not stop the lighthouse of running groups)."""
+    try:
+        shown = subprocess.run(["squeue", "--noheader", "--states=all", f"--name={job_name}", "--format=%i|%T"],
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
     if shown.returncode != 0:
-        return "invalid job id" not in shown.stderr.lower()
-    return any(state in PENDING_STATES or state in RUNNING_STATES for state in shown.stdout.split())
+        return True
+    listed = (line.split("|", 1) for line in shown.stdout.splitlines() if "|" in line)
+    return any(job != own_id and (state in PENDING_STATES or state in RUNNING_STATES) for job, state in listed)
 
 
 def leave_after_loss(lost: PeersLost) -> NoReturn:

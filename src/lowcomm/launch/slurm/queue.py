@@ -64,19 +64,22 @@ class Queue:
                 jobs.append(QueuedJob(job_id=job_id, name=name, state=state))
         return cls(tuple(jobs))
 
-    def find(self, job_id: str | None = None, name: str | None = None) -> QueuedJob | None:
-        """The job with this id or name: an active one first (the newest), else the job with
-        this id in a final state, else None. A job array's id finds its elements (``<id>_<i>``)."""
+    def find(self, job_id: str | None = None, name: str | None = None, besides: str | None = None) -> QueuedJob | None:
+        """The job with this id or name: an active one first (by its id before by its name, the
+        newest), else the job with this id in a final state, else None. A job array's id finds
+        its elements (``<id>_<i>``); ``besides`` is a job not to find (a run's lighthouse job,
+        which has the run's name)."""
 
         def has_id(job: QueuedJob) -> bool:
             return job_id is not None and (job.job_id == job_id or job.job_id.startswith(f"{job_id}_"))
 
-        matching = [job for job in self.jobs if has_id(job) or (name is not None and job.name == name)]
-        active = [job for job in matching if job.active]
-        if active:
-            return active[-1]
-        recorded = [job for job in matching if has_id(job)]
-        return recorded[-1] if recorded else None
+        by_id = [job for job in self.jobs if has_id(job)]
+        by_name = [job for job in self.jobs if name is not None and job.name == name and not has_id(job)
+                   and job.job_id != besides]
+        for matching in (by_id, by_name):
+            if active := [job for job in matching if job.active]:
+                return active[-1]
+        return by_id[-1] if by_id else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,8 @@ def run_state(run_dir: Path, run_name: str, queue: Queue | None) -> RunState:
     recorded_id = record["job_id"] if record else None
     if RunDir(run_dir).summary.is_file():
         return RunState("done", recorded_id, **logged)
-    job = queue.find(job_id=recorded_id, name=run_name) if queue is not None else None
+    job = queue.find(job_id=recorded_id, name=run_name, besides=record.get("lighthouse_job") if record else None) \
+        if queue is not None else None
     if job is not None and job.active:
         status = "pending" if job.state in PENDING_STATES else "running"
         return RunState(status, job.job_id, job.state, **logged)

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,9 @@ def batch_script(run: RunConfig, *, environ: Mapping[str, str] | None = None) ->
     check_profile(run)
     run = _with_absolute_run_root(run)
     groups = run.cluster.fault_tolerance == "torchft"
+    # (the lighthouse's job id is known once it is submitted)
     parameters = submitit_parameters(run.cluster, job_name=run.run_name, environ=environ,
-                                     shape=replica_group_shape(run.cluster) if groups else None)
+                                     shape=replica_group_shape(run.cluster, "<lighthouse job>") if groups else None)
     executor = _ScriptRenderer(RunDir(run.run_dir).slurm_dir, max_num_timeout=run.cluster.max_requeues)
     # what AutoExecutor does with them: the generic names in SLURM's words (timeout_min -> time,
     # mem_gb -> mem, ...), the slurm_ ones as they are
@@ -129,18 +131,27 @@ def batch_script(run: RunConfig, *, environ: Mapping[str, str] | None = None) ->
     return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")  # noqa: SLF001
 
 
-def replica_group_shape(cluster: ClusterSpec) -> dict[str, Any]:
+def replica_group_shape(cluster: ClusterSpec, lighthouse_job: str) -> dict[str, Any]:
     """Under ``cluster.fault_tolerance=torchft``, the job of one replica group: one node of the
-    run's, requeued by SLURM when that node fails (``--requeue``), apart from the other groups."""
-    return {"nodes": 1, "additional_parameters": {"requeue": True, **cluster.additional_parameters}}
+    run's, requeued by SLURM when that node fails (``--requeue``), apart from the other groups,
+    started once the lighthouse job has (``--dependency=after:``; cancelled if it never can)."""
+    return {"nodes": 1, "additional_parameters": {
+        "requeue": True, "dependency": f"after:{lighthouse_job}", "kill_on_invalid_dep": "yes",
+        **cluster.additional_parameters}}
+
+
+# The lighthouse job's memory: a Python process and torchft's server (a partition's default may be
+# a whole node's where memory is a consumable resource)
+LIGHTHOUSE_MEM_GB = 2
 
 
 def lighthouse_shape(cluster: ClusterSpec) -> dict[str, Any]:
     """The lighthouse job of a run whose replica groups are jobs: one task, one CPU, no GPU (nor
     the profile's additional options, which may ask for them), in the run's partition, account
-    and qos, for as long as a group's job may be requeued for (``timeout_min`` x (1 +
-    ``max_requeues``))."""
-    return {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 0, "mem_gb": None,
+    and qos, for ``timeout_min`` x (1 + ``max_requeues``): as long as the groups' time-out
+    requeues take, if none of them waits in the queue (a preemption's or a lost node's requeue
+    may outlast it)."""
+    return {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 0, "mem_gb": LIGHTHOUSE_MEM_GB,
             "timeout_min": cluster.timeout_min * (1 + cluster.max_requeues), "additional_parameters": {}}
 
 
@@ -232,21 +243,26 @@ def submit_training(
 
 def _submit_replica_groups(run: RunConfig, config_path: Path, log_dir: Path,
                            environ: Mapping[str, str] | None) -> tuple[str, dict[str, Any]]:
-    """``cluster.fault_tolerance=torchft``: the run's replica groups as one job array (a node
-    each, requeued apart), then their lighthouse as a job of its own. Returns (the array's id,
-    what the submission record adds). The lighthouse's old record goes first: the groups wait
-    for the new one."""
+    """``cluster.fault_tolerance=torchft``: the run's lighthouse as a job of its own, then its
+    replica groups as one job array (a node each, requeued apart), which starts once the
+    lighthouse has. Returns (the array's id, what the submission record adds). The old record
+    of a lighthouse goes first: the groups wait for the new one. Where the array cannot be
+    submitted, the lighthouse is cancelled."""
     (Path(run.run_dir) / FT_RECORD).unlink(missing_ok=True)
-    groups = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ,
-                           shape=replica_group_shape(run.cluster))
-    with groups.batch():
-        elements = [groups.submit(TrainingJob(str(config_path), replica_group=group))
-                    for group in range(run.cluster.replica_groups)]
-    array = elements[0].job_id.split("_", 1)[0]
     lighthouse = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ,
                                shape=lighthouse_shape(run.cluster))
-    beacon = lighthouse.submit(LighthouseJob(str(config_path), array))
-    return array, {"replica_group_jobs": [element.job_id for element in elements], "lighthouse_job": beacon.job_id}
+    beacon = lighthouse.submit(LighthouseJob(str(config_path), run.run_name)).job_id
+    try:
+        groups = make_executor(log_dir, run.cluster, job_name=run.run_name, environ=environ,
+                               shape=replica_group_shape(run.cluster, beacon))
+        with groups.batch():
+            elements = [groups.submit(TrainingJob(str(config_path), replica_group=group))
+                        for group in range(run.cluster.replica_groups)]
+    except BaseException:
+        subprocess.run(["scancel", beacon], capture_output=True, check=False, timeout=60)
+        raise
+    array = elements[0].job_id.split("_", 1)[0]
+    return array, {"replica_group_jobs": [element.job_id for element in elements], "lighthouse_job": beacon}
 
 
 def submit_run(run: RunConfig) -> Path:
