@@ -155,15 +155,17 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
     for replica in (0, 1):
         group_dir = replica_run_dir(groups.run_dir, replica)
         summary = RunDir(group_dir).read_summary()
-        if "num_fragments" in STRATEGIES[name].Config.__dataclass_fields__:
-            # Streaming DiLoCo's workers never hold one model (a fragment trains while another is
-            # merged): each group's own state is the plain run's rank's
+        strategy = STRATEGIES[name]
+        if not strategy.replicated_optimizer_state and not strategy.replicated_state_keys:
+            # no state alike on every worker (Streaming DiLoCo: a fragment trains while another
+            # is merged; eager DiLoCo: each applies its own term at once): each group's own state
+            # is the plain run's rank's, tensor for tensor
             final = Path("checkpoints") / "step_000000006"
-            own = load_file(group_dir / final / optim_rank_file(0))
-            plain_own = load_file(Path(plain.run_dir) / final / optim_rank_file(replica))
-            for key in ("local_params", "global_params", "outer_momentum"):
-                for mine, theirs in zip(own[key], plain_own[key], strict=True):
-                    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+            own = list(_tensors(load_file(group_dir / final / optim_rank_file(0))))
+            plain_own = list(_tensors(load_file(Path(plain.run_dir) / final / optim_rank_file(replica))))
+            assert len(own) == len(plain_own) > 0
+            for mine, theirs in zip(own, plain_own, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
         else:  # every group ends on the model the plain run ends on
             assert summary["final_val_loss"] == pytest.approx(expected["final_val_loss"], rel=1e-4)
         assert summary["payload_MB_per_step"] == pytest.approx(expected["payload_MB_per_step"])
@@ -201,6 +203,18 @@ def test_groups_of_two_ranks_that_lose_nobody_train_what_four_plain_ranks_train(
         assert summary["tx_MB_per_step"] * 1e6 * 6 == pytest.approx(2 * (4 * params + 4 * params), rel=1e-6)
         assert expected["tx_MB_per_step"] * 1e6 * 6 == pytest.approx(2 * 1.5 * 4 * params, rel=1e-6)
     assert json.loads((Path(groups.run_dir) / "torchft.json").read_text())["ranks_per_group"] == 2
+
+
+def _tensors(state):
+    """Every tensor of a nested state, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for key in sorted(state, key=str):
+            yield from _tensors(state[key])
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _tensors(value)
 
 
 # ------------------------------------------------------------------ one exchange, two groups
@@ -304,6 +318,61 @@ def test_streaming_diloco_group_rejoining_at_another_phase_sends_the_peers_fragm
     assert ahead["global"][1] == [pytest.approx([1.197] * 5)] and ahead["global"][0] == [[0.0] * 3]
     assert ahead["params"][1] == pytest.approx([0.9985] * 5)
     assert ahead["params"][0] == pytest.approx([0.8] * 3)  # fragment 0: two SGD steps, not sent
+
+
+SCALE_EAGER = (1.0, 3.0)
+
+
+def _eager_heal(rank: int, world: int, lighthouse: str) -> dict:
+    """tests/test_eager_diloco.py's hand-worked case (x = 0, H = 2, outer lr 0.5, no momentum,
+    inner SGD lr 1, gradient c_r k in phase k, c = (1, 3)) as two replica groups. Both make outer
+    step 1 together; then group 1 starts again from nothing (x = 0, its own phase 1), and at its
+    outer step, behind group 0's step 4, it heals from group 0."""
+    from lowcomm.optim.eager_diloco import EagerDiLoCo, EagerDiLoCoArgs
+
+    args = EagerDiLoCoArgs.defaults(sync_every=2, outer_lr=0.5, outer_momentum=0.0, mode="eager",
+                                    exchange="all_reduce")
+    groups = _groups(rank, world, lighthouse)
+
+    def start() -> tuple[torch.nn.Parameter, EagerDiLoCo]:
+        param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        optimizer = EagerDiLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), args, comm=groups)
+        groups.serve_state(optimizer.state_dict, optimizer.load_state_dict)
+        return param, optimizer
+
+    param, optimizer = start()
+    # (phase, steps done after the step) of each step; group 1's second outer step is its first again
+    steps = [(1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6)] if rank == 0 else \
+        [(1, 1), (1, 2), "restart", (1, 1), (1, 2), (3, 5), (3, 6)]
+    history = []
+    for step in steps:
+        if step == "restart":  # its process lost: what it had in flight is committed by nobody
+            param, optimizer = start()
+            continue
+        phase, groups.progress = step
+        param.grad = torch.tensor([SCALE_EAGER[rank] * phase], dtype=torch.float64)
+        optimizer.step()
+        history.append(param.item())
+    result = {"history": history, "events": [e["event"] for e in groups.take_events()]}
+    groups.shutdown()
+    return result
+
+
+@pytest.mark.slow
+def test_an_eager_diloco_group_that_heals_applies_the_peers_delayed_mean_less_the_peers_own_term():
+    ahead, healed = _two_groups(_eager_heal)
+    assert healed["events"] == ["heal"] and ahead["events"] == []
+    # By hand. Outer step 1 (both): Delta = (2, 6), D = Delta / 2, theta^1 = (-0.5, -1.5); the mean 4
+    # in flight. Group 0, steps 3-4 (phase 2): x = -2.5, -4.5, Delta^2 = 4. Group 1 again from 0:
+    # x = -3, -6; at its outer step it heals (group 0's theta^1, own term 2 over 2, the mean 4) and
+    # contributes nothing: one contributor, W = 1. Group 0: D = 4 + 4 / 1 - 2 / 2 = 7, theta^2 =
+    # -0.5 - 3.5 = -4; group 1: D = 4 + 0 - 2 / 2 = 3, theta^2 = -0.5 - 1.5 = -2 (it lacks only group
+    # 0's fresh term, which reaches it in the mean of this step: (4 + 0) / 1 = 4). Phase 3: group 0
+    # x = -7, -10, Delta^3 = 6; group 1 x = -11, -20, Delta^3 = 18; both contribute, W = 2. Group 0:
+    # D = 4 + 6 / 2 - 4 / 1 = 3, theta^3 = -5.5; group 1 (its own term 0): D = 4 + 18 / 2 = 13,
+    # theta^3 = -8.5.
+    assert ahead["history"] == [-1, -0.5, -2.5, -4, -7, -5.5]
+    assert healed["history"] == [-3, -1.5, -3, -2, -11, -8.5]
 
 
 # ------------------------------------------------------------------ a run that loses a group

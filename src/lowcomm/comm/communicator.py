@@ -250,6 +250,12 @@ class Communicator:
         lost peer ends the run); between replica groups, False when a group died inside it."""
         return True
 
+    @property
+    def averaged_over(self) -> int:
+        """The ranks an averaging exchange begun now divides by: every rank here; between replica
+        groups, those of the groups that contribute to it."""
+        return self.world_size
+
     # -------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, purpose: str = "data"):
         """In-place all-reduce. ``op="avg"`` is the backend's AVG (no extra pass over the tensor);

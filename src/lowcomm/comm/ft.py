@@ -266,6 +266,10 @@ class ReplicaGroups(Communicator):
         events, self.events = self.events, []
         return events
 
+    @property
+    def averaged_over(self) -> int:
+        return self.contributors * (self.members.world_size if self.members is not None else 1)
+
     # ------------------------------------------------------------------ collectives
     def _issue(self, tensor: torch.Tensor, op: str):
         from torch.distributed import ReduceOp
@@ -292,7 +296,7 @@ class ReplicaGroups(Communicator):
             torch.distributed.all_reduce(tensor, group=self.members.group)
             work = DoneWork([tensor])
         if op == "avg":
-            work = _Averaged(work, tensor, self.contributors * ranks)
+            work = _Averaged(work, tensor, self.averaged_over)
         if async_op:
             return work
         work.wait()

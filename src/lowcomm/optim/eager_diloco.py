@@ -28,8 +28,17 @@ and stale own terms are the worker's exact Delta_m, not its encoded form. Error 
 offered: its accumulator would have to be updated with a delayed decode.
 
 State per worker (:meth:`state_dict`): DiLoCo's (inner state, local and outer parameters, outer
-momentum, local step), Delta_m^t of the last outer step and the mean of the exchange in flight
-(waited for when saved, so a resume applies it at the same outer step as an uninterrupted run).
+momentum, local step), Delta_m^t of the last outer step (and the W it was divided by) and the
+mean of the exchange in flight (waited for when saved, so a resume applies it at the same outer
+step as an uninterrupted run).
+
+Between replica groups that leave and rejoin (:mod:`lowcomm.comm.ft`) W is the ranks that
+contribute to the exchange begun at the outer step. The exchange of step t is committed at step
+t + 1, before the quorum of t + 1 forms. One a peer died inside is dropped: its mean is taken as
+zero, so the worker takes back its own eager term of step t and step t leaves no trace. A group
+behind its peers heals in the quorum of t + 1 (its global copy, own term and received mean become
+the peer's, its parameters the global copy): its fresh Delta is zero, and it applies the peer's
+delayed mean less the peer's own term.
 """
 
 from __future__ import annotations
@@ -86,43 +95,66 @@ class EagerDiLoCo(DiLoCo):
         super().__init__(params, inner, args, compressor=compressor, comm=comm)
         self.mode = args.mode
         self._own: list[torch.Tensor] | None = None  # Delta_m of the last outer step (eager)
+        self._own_world = self.comm.world_size  # the ranks it was divided by
         self._pending: PendingMean | None = None  # the mean of the last outer step's exchange
+        self._pending_here = False  # begun by this process (not restored from a checkpoint)
 
     @torch.no_grad()
     def _synchronise(self) -> None:
-        world = self.comm.world_size
+        # The last outer step's mean has had H inner steps to arrive; waited for (and, between
+        # replica groups, committed) before the next exchange starts, so that no two are in
+        # flight at once. One a peer died inside is dropped by every group alike: this worker
+        # then takes back its own eager term of that step (below), so the step leaves no trace.
+        # Restored from a checkpoint, no quorum holds it: plainly it is applied, as it would
+        # have been; between replica groups it is dropped, which every group resuming there does.
+        if self._pending is not None:
+            self._pending.wait()
+            committed = self.comm.commit() if self._pending_here else not self.comm.replica_groups
+            if not committed:
+                self._pending = None
+        # Between replica groups a quorum forms now. A group behind its peers takes a live
+        # peer's state here (its global copy, own term and the mean it received; its
+        # parameters, at this outer boundary, the global copy), so its fresh pseudo-gradient
+        # below is zero: it applies the peer's delayed mean less the peer's own stale term,
+        # which that global copy holds already.
+        self.comm.begin_exchange()
+        world = self.comm.averaged_over
         fresh = [global_ - local for global_, local in zip(self._global, self._params, strict=True)]
-        # the last outer step's mean has had H inner steps to arrive; waited for before the next
-        # exchange starts, so that no two are in flight at once
         arrived = self._pending.wait() if self._pending is not None else None
         self._pending = PendingMean.start(self.comm, [delta.clone() for delta in fresh], self.compressor,
                                           self.exchange)
+        self._pending_here = True
         for index, (local, global_) in enumerate(zip(self._params, self._global, strict=True)):
             direction = self._direction(index, fresh[index], arrived, world)
             momentum = self._momentum[index] if self._momentum is not None else None
             outer_direction_(direction, momentum, self.outer_momentum, self.nesterov)
             global_.sub_(direction, alpha=self.outer_lr)
             local.copy_(global_)
+        # this worker's own term, and the world it was divided by (a quorum's may change)
         self._own = fresh if self.mode == "eager" else None
+        self._own_world = world
 
     def _direction(self, index: int, fresh: torch.Tensor, arrived: list[torch.Tensor] | None,
                    world: int) -> torch.Tensor:
         """D_m for one tensor (a new tensor): the arrived mean, eagerly corrected by this worker's
-        fresh pseudo-gradient in place of its stale one."""
+        fresh pseudo-gradient in place of its stale one (divided by the world it was applied
+        over)."""
         direction = arrived[index].clone() if arrived is not None else torch.zeros_like(fresh)
         if self.mode == "eager":
             direction.add_(fresh, alpha=1 / world)
             if self._own is not None:
-                direction.sub_(self._own[index], alpha=1 / world)
+                direction.sub_(self._own[index], alpha=1 / self._own_world)
         return direction
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """DiLoCo's state, this worker's last pseudo-gradient and the mean in flight (received
-        here: it is the same whenever it is waited for)."""
+        """DiLoCo's state, this worker's last pseudo-gradient (and the world it was divided by)
+        and the mean in flight (received here: it is the same whenever it is waited for; None
+        after a dropped one)."""
         return {
             **super().state_dict(),
             "own_delta": list(self._own) if self._own is not None else None,
+            "own_world": self._own_world,
             "in_flight_mean": list(self._pending.wait()) if self._pending is not None else None,
         }
 
@@ -130,10 +162,13 @@ class EagerDiLoCo(DiLoCo):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         own, mean = state_dict["own_delta"], state_dict["in_flight_mean"]
-        if (own is not None) != (self.mode == "eager" and mean is not None):
+        # (between replica groups a dropped exchange leaves an own term and no mean)
+        if own is not None and self.mode != "eager" or own is None and self.mode == "eager" and mean is not None:
             raise ValueError(f"EagerDiLoCo state 'own_delta' does not match mode {self.mode!r}")
         for saved in (own, mean):
             if saved is not None and len(saved) != len(self._params):
                 raise ValueError("EagerDiLoCo state does not match this optimizer's parameters")
         self._own = [t.clone() for t in own] if own is not None else None
+        self._own_world = int(state_dict.get("own_world", self.comm.world_size))  # (older checkpoints: the run's W)
         self._pending = PendingMean.done([t.clone() for t in mean]) if mean is not None else None
+        self._pending_here = False

@@ -41,8 +41,9 @@ class EagerDiLoCoConfig(StrategyConfig, AdamWArgs, EagerDiLoCoArgs):
 @register
 class EagerDiLoCoStrategy(DiLoCoStrategy):
     name = "eager_diloco"
-    replica_groups_refusal = (
-        "its exchange stays in flight across the next H inner steps; a group lost inside it needs the exchange's quorum and commit across them (not built)")
+    # its dense exchange runs between replica groups (lowcomm.comm.ft): a quorum at each outer
+    # step, committed at the next, before the next quorum forms
+    replica_groups_refusal = None
     Config = EagerDiLoCoConfig
     display = Display("Eager DiLoCo", marker="H", color="navy")
     # DiLoCo's inner lr and H; a gentler outer step, because three quarters of the mean arrive one
