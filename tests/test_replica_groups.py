@@ -66,6 +66,8 @@ def test_every_method_runs_as_replica_groups_or_is_refused_before_anything_start
     (["cluster.fault_tolerance=none", "cluster.ranks_per_group=2"], "only cluster.fault_tolerance=torchft has"),
     (["cluster.fault_tolerance=always"], "cluster.fault_tolerance must be one of: none, torchft"),
     (["cluster.join_timeout_s=0"], "cluster.join_timeout_s must be a positive number"),
+    (["optimizer=sparseloco", "cluster.workers=4", "cluster.ranks_per_group=2"],
+     "runs as replica groups of one rank each (its exchange between them is an all-gather"),
     (["cluster=slurm_debug"], "under SLURM a replica group is a node, a job of its own: set cluster.ranks_per_group=2"),
     (["cluster=slurm_local_2node", "cluster.ranks_per_group=2", "cluster.min_replicas=3"],
      "more than the run's replica groups (2: cluster.nodes=2, a group each)"),
@@ -269,6 +271,33 @@ def test_an_exchange_averages_over_the_groups_that_contribute_and_a_heal_is_mete
     for side in (ahead, healed):
         data = side["bytes"]["data/world/all_reduce"]
         assert (data["payload"], data["tx"], data["rx"]) == (4000, 4000, 4000)  # 2 (W-1)/W x 4,000 at W=2
+
+
+def _gather_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
+    """As :func:`_exchange_after_a_heal`, an all-gather (SparseLoCo's): both groups get a row
+    from each, and the healed group's (zeros) is left out of what counts."""
+    meter = CommMeter()
+    groups = _groups(rank, world, lighthouse, meter)
+    groups.serve_state(lambda: {"w": torch.zeros(1)}, lambda sent: None)
+    groups.progress = 30 if rank == 0 else 10
+    groups.begin_exchange()
+    rows = torch.empty(groups.world_size * 3)
+    groups.all_gather_into_tensor(rows, torch.full((3,), 4.0 if rank == 0 else 7.0))
+    counted = groups.contributions(rows.view(groups.world_size, 3))
+    result = {"rows": rows.view(-1, 3).tolist(), "counted": counted.tolist(), "committed": groups.commit(),
+              "bytes": meter.breakdown()["data/world/all_gather"]}
+    groups.shutdown()
+    return result
+
+
+@pytest.mark.slow
+def test_an_all_gather_between_groups_counts_the_rows_of_the_groups_that_contribute():
+    ahead, healed = _two_groups(_gather_after_a_heal)
+    for side in (ahead, healed):
+        assert side["committed"] and sorted(side["rows"]) == [[0.0] * 3, [4.0] * 3]  # the healed group sent zeros
+        assert side["counted"] == [[4.0] * 3]  # its row is not counted: group 0's alone
+        # a ring all-gather of 12 bytes between two: each sends its 12 and receives the other's
+        assert (side["bytes"]["payload"], side["bytes"]["tx"], side["bytes"]["rx"]) == (12, 12, 12)
 
 
 def _streaming_heal_at_another_phase(rank: int, world: int, lighthouse: str) -> dict:

@@ -343,3 +343,29 @@ def test_comm_table_rows_for_the_paper_models(model, parameters):
     assert rows["sparseloco"].payload_mb * 1e6 == pytest.approx(expected, rel=1e-9)
     assert rows["sparseloco"].rx_mb == pytest.approx(63 * rows["sparseloco"].payload_mb)
     assert rows["templar"].payload_mb * 1e6 == pytest.approx((parameters / 64 * 2.5 + 16 * tensors) / 15)
+
+
+class _Dropping(Communicator):
+    """One worker between replica groups whose every exchange is dropped (a peer died inside it)."""
+
+    replica_groups = True
+
+    def commit(self) -> bool:
+        return False
+
+
+def test_a_dropped_exchange_gives_the_error_feedback_back_what_it_sent():
+    """One worker, H = 1: its outer step's exchange is dropped, so the parameters go back to
+    the global copy and the accumulator holds all of beta E + Delta again, the kept entries too
+    (no one applied them)."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(64))
+    args = SparseLoCoArgs.defaults(sync_every=1, chunk=8, topk=2, bits=None)
+    optimizer = SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), args, comm=_Dropping())
+    gradient = torch.randn(64)
+    param.grad = gradient.clone()
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.zeros(64))  # nothing applied: back to the global copy
+    (error,) = optimizer._error
+    # Delta = global - local = 0 - (0 - 1 x g) = g, all of it kept for the next exchange
+    torch.testing.assert_close(error, gradient, rtol=0, atol=1e-6)

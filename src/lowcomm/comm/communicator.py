@@ -250,6 +250,11 @@ class Communicator:
         lost peer ends the run); between replica groups, False when a group died inside it."""
         return True
 
+    def contributions(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of an all-gather (one per rank) that count in this exchange: all here;
+        between replica groups, those of the groups that contribute."""
+        return rows
+
     @property
     def averaged_over(self) -> int:
         """The ranks an averaging exchange begun now divides by: every rank here; between replica

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lowcomm.comm.communicator import Communicator, DoneWork, nbytes
-from lowcomm.comm.meter import CommMeter, ring_all_reduce_traffic
+from lowcomm.comm.meter import CommMeter, ring_all_gather_traffic, ring_all_reduce_traffic
 from lowcomm.rundir import write_json_atomic
 
 # The launcher puts the job's lighthouse address here for its workers (the run's record has it too).
@@ -128,9 +129,10 @@ class ReplicaGroups(Communicator):
     """The exchange between replica groups, metered, through a torchft ``Manager``.
 
     ``world_size`` is the number of groups in the current quorum (``replicas`` when all are
-    alive), ``rank`` this group's index. One collective is offered, over gloo on the CPU: an
-    averaging (or summing) all-reduce between :meth:`begin_exchange` and :meth:`commit` (the
-    DiLoCo family's outer step, the DDP methods' gradients); any other raises, naming itself.
+    alive), ``rank`` this group's index. Two collectives are offered, over gloo on the CPU,
+    between :meth:`begin_exchange` and :meth:`commit`: an averaging (or summing) all-reduce (the
+    DiLoCo family's outer step, the DDP methods' gradients) and, between groups of one rank, an
+    all-gather into one tensor (SparseLoCo's sparse payloads); any other raises, naming itself.
 
     A group of several ranks (a node's: ``members``, the Communicator of its own process group)
     exchanges as torchft's HSDP does: each rank all-reduces with the rank of the same place in
@@ -168,6 +170,7 @@ class ReplicaGroups(Communicator):
         self.replicas = self.world_size = replicas
         self.contributors = replicas
         self.contributing = True  # False in the exchange right after a heal: this group sends zeros
+        self._contributed: list[bool] | None = None  # per participant of the quorum (None: all)
         self.events: list[dict] = []
         self.healed_state: dict | None = None  # what the last heal loaded, until the loop takes it
         self._save: Callable[[], dict] | None = None
@@ -205,8 +208,9 @@ class ReplicaGroups(Communicator):
                 store_addr, store_port, rank, world = host, self._store.port, 0, 1
             else:  # the ranks of a group share theirs; its rank 0's Manager meets the lighthouse
                 (store_addr, store_port), rank, world = self._group_store, self.members.rank, self.members.world_size
+            self._pg = ProcessGroupGloo(timeout=timeout)  # the quorum's, reconfigured by the Manager
             self._manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state, state_dict=self._state,
+                pg=self._pg, load_state_dict=self._load_state, state_dict=self._state,
                 use_async_quorum=False, connect_timeout=timeout, rank=rank, world_size=world, store_addr=store_addr,
                 store_port=store_port, hostname=host, checkpoint_transport=metered_transport(self.meter, timeout),
                 init_sync=False, **args)
@@ -243,10 +247,13 @@ class ReplicaGroups(Communicator):
         self.manager.start_quorum()
         healed = self.healed_state is not healed_before
         self.world_size = self.manager.num_participants()
-        flag = torch.tensor([0.0 if healed else 1.0])
-        self._record("all_reduce", nbytes(flag), ring_all_reduce_traffic(nbytes(flag), self.world_size), "control")
-        self._issue(flag, "sum").wait()
-        self.contributors = int(round(float(flag[0])))
+        # which participants contribute: a one-hot flag each, summed (an all-gather's rows are theirs)
+        flags = torch.zeros(max(self.world_size, 1))
+        flags[self.manager.participating_rank() or 0] = 0.0 if healed else 1.0
+        self._record("all_reduce", nbytes(flags), ring_all_reduce_traffic(nbytes(flags), self.world_size), "control")
+        self._issue(flags, "sum").wait()
+        self._contributed = [bool(round(float(flag))) for flag in flags]
+        self.contributors = sum(self._contributed)
         self.contributing = not healed
         if self._members is not None and self.world_size != self._members:
             self.events.append({"event": "membership", "groups": self.world_size, "was": self._members})
@@ -302,9 +309,40 @@ class ReplicaGroups(Communicator):
         work.wait()
         return None
 
-    # the DiLoCo family's dense exchange needs none of these (Strategy.replica_groups_refusal)
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False,
+                               purpose: str = "data"):
+        """All-gather into ``output`` (a row per live group, in the quorum's order), over groups
+        of one rank (:attr:`lowcomm.strategies.Strategy.replica_groups_of_one_rank`). A group
+        that has just healed sends zeros; :meth:`contributions` leaves its row out."""
+        if self.members is not None:
+            raise NotImplementedError("an all-gather between replica groups of several ranks (cluster.ranks_per_group "
+                                      "> 1) is not built")
+        self._route("all_gather", purpose, output, tensor)
+        if not self.contributing and purpose == "data":
+            tensor = torch.zeros_like(tensor)
+        payload = nbytes(tensor)
+        self._record("all_gather", payload, ring_all_gather_traffic(payload, self.world_size), purpose)
+        if self.world_size <= 1:
+            output.view(-1).copy_(tensor.reshape(-1))
+        else:
+            rows = list(output.view(self.world_size, -1).unbind(0))
+            try:  # an error (a group lost inside it) is the Manager's to report: the exchange is dropped
+                work = self._pg.allgather([rows], [tensor.reshape(-1).contiguous()], AllgatherOptions())
+                self.manager.wrap_future(work.get_future(), rows).wait()
+            except Exception as exc:  # noqa: BLE001 - any failure of the collective drops the exchange
+                self.manager.report_error(exc)
+        work = DoneWork([output])
+        return work if async_op else None
+
+    def contributions(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of an all-gather (``rows[i]``: participant i's) of the groups that contribute
+        to this exchange: all but a group that has just healed."""
+        if self._contributed is None or all(self._contributed) or len(self._contributed) != rows.shape[0]:
+            return rows
+        return rows[torch.tensor(self._contributed, device=rows.device)]
+
+    # the methods that run this way need none of these (Strategy.replica_groups_refusal)
     all_gather = _refused("all_gather")
-    all_gather_into_tensor = _refused("all_gather_into_tensor")
     reduce_scatter = _refused("reduce_scatter")
     all_reduce_quantized = _refused("all_reduce_quantized")
     broadcast = _refused("broadcast")

@@ -217,6 +217,10 @@ def validate(cfg: DictConfig | dict, *, check_data_files: bool = True, require_d
         errors += STRATEGIES[opt_name].check_layout(optimizer, cluster.world_size, cluster.local_world_size)
         if cluster.fault_tolerance == "torchft":
             errors += STRATEGIES[opt_name].check_replica_groups(optimizer, raw["compression"])
+            if STRATEGIES[opt_name].replica_groups_of_one_rank and cluster.ranks_per_group != 1:
+                errors.append(f"optimizer={opt_name} runs as replica groups of one rank each (its exchange between "
+                              f"them is an all-gather, built for one rank per group): set cluster.ranks_per_group=1, "
+                              f"got {cluster.ranks_per_group}")
     if data is not None and train is not None:
         _validate_data(data, model, train, errors, check_files=check_data_files,
                        require_paths=require_data or check_data_files)

@@ -67,7 +67,8 @@ def all_gather_payloads(comm: Communicator, payloads: Sequence[Payload]) -> list
     """All-gather one payload per tensor from every worker: ``gathered[rank][i]`` (the rows of
     :func:`all_gather_stacked`'s payloads)."""
     stacked = all_gather_stacked(comm, payloads)
-    return [[unstacked(payload, rank) for payload in stacked] for rank in range(comm.world_size)]
+    senders = next(iter(stacked[0].tensors.values())).shape[0] if stacked else comm.world_size
+    return [[unstacked(payload, rank) for payload in stacked] for rank in range(senders)]
 
 
 def all_gather_stacked(comm: Communicator, payloads: Sequence[Payload]) -> list[Payload]:
@@ -87,11 +88,12 @@ def all_gather_stacked(comm: Communicator, payloads: Sequence[Payload]) -> list[
         flat = _flat(payloads, entries)
         buffer = flat.new_empty(world * flat.numel())  # flat: gloo wants the output one-dimensional
         comm.all_gather_into_tensor(buffer, flat)
-        buffer = buffer.view(world, -1)
+        # (between replica groups, a group that has just healed contributes no row)
+        buffer = comm.contributions(buffer.view(world, -1))
         offset = 0
         for index, key, shape in entries:
             piece = buffer[:, offset:offset + shape.numel()]
-            gathered[index][key] = piece.unflatten(1, shape) if len(shape) else piece.view(world)
+            gathered[index][key] = piece.unflatten(1, shape) if len(shape) else piece.view(-1)
             offset += shape.numel()
     return [Payload(tensors={key: tensors[key] for key in payload.tensors}, meta=payload.meta)
             for payload, tensors in zip(payloads, gathered, strict=True)]
@@ -337,6 +339,7 @@ class DiLoCo(torch.optim.Optimizer):
             self._global = [p.detach().clone() for p in params]
         self._momentum = [torch.zeros_like(p) for p in self._global] if args.outer_momentum > 0 else None
         self._error = [torch.zeros_like(p) for p in self._global] if self._feedback is not None else None
+        self._sent: list[Payload] | None = None  # this worker's payloads of the exchange in progress
         self.local_step = 0
 
     # ------------------------------------------------------------------ stepping
@@ -367,6 +370,7 @@ class DiLoCo(torch.optim.Optimizer):
         if not self.comm.commit():  # a peer died inside the exchange: every group drops it alike
             for local, global_ in zip(self._params, self._global, strict=True):
                 local.copy_(global_)
+            self._keep_unsent()
             return
         for index, (local, global_) in enumerate(zip(self._params, self._global, strict=True)):
             direction = local  # the mean Delta, turned into the outer update direction in place
@@ -394,7 +398,7 @@ class DiLoCo(torch.optim.Optimizer):
             delta.zero_()
             for worker_payloads in gathered:
                 delta.add_(self.compressor.decode([worker_payloads[index]]))
-            delta.div_(self.comm.world_size)
+            delta.div_(len(gathered))  # the workers that sent (all, bar a replica group just healed)
 
     def _gather_payloads(self) -> list[list[Payload]]:
         """Encode each Delta_i (through the error-feedback accumulator, if any) and all-gather
@@ -402,10 +406,28 @@ class DiLoCo(torch.optim.Optimizer):
         return all_gather_payloads(self.comm, self._encoded())
 
     def _encoded(self) -> list[Payload]:
-        """Each Delta_i encoded, through the error-feedback accumulator if any."""
+        """Each Delta_i encoded, through the error-feedback accumulator if any (which then keeps
+        only the residual: :meth:`_keep_unsent` gives it back what was sent, where an exchange
+        is dropped)."""
         if self._feedback is not None:
-            return [self._feedback.compress(error, delta) for error, delta in zip(self._error, self._params, strict=True)]
+            self._sent = [self._feedback.compress(error, delta)
+                          for error, delta in zip(self._error, self._params, strict=True)]
+            return self._sent
         return [self.compressor.encode(delta) for delta in self._params]
+
+    def _keep_unsent(self) -> None:
+        """After a dropped exchange (between replica groups): the error-feedback accumulators
+        take back what this worker's payloads carried, which no one applied."""
+        if self._feedback is not None and self._sent is not None:
+            for error, payload in zip(self._error, self._sent, strict=True):
+                error.add_(self.compressor.decode([payload]))
+        self._sent = None
+
+    def forget_error_feedback(self) -> None:
+        """Empty the error-feedback accumulators (a replica group that has taken a live peer's
+        state: the peer's residual is the peer's to send)."""
+        for error in self._error or []:
+            error.zero_()
 
     # ------------------------------------------------------------------ checkpoint
     @property

@@ -198,6 +198,8 @@ class Strategy:
     # (cluster.fault_tolerance=torchft, lowcomm.comm.ft); None where it does. docs/faults.md
     # lists every method's.
     replica_groups_refusal: ClassVar[str | None] = "its exchange is not offered between replica groups"
+    # True where its exchange between replica groups is an all-gather, built for groups of one rank
+    replica_groups_of_one_rank: ClassVar[bool] = False
 
     def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg
@@ -323,6 +325,10 @@ class Strategy:
         Not at an outer boundary, where the optimizer restores them from its own copy; a method
         whose optimizer state holds the worker's parameters says no everywhere."""
         return not self.outer_boundary(step)
+
+    def after_heal(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a heal has loaded a live peer's optimizer state: what of it is not this worker's
+        to keep (nothing by default; SparseLoCo's error feedback, the peer's residual to send)."""
 
     def boundary_saved_bytes(self, model: torch.nn.Module) -> float:  # noqa: ARG002
         """Per-rank bytes a checkpoint at an outer boundary leaves out (:meth:`outer_boundary`)."""

@@ -40,8 +40,10 @@ class SparseLoCoStrategy(OuterLoopStrategy):
     """SparseLoCo: DiLoCo with error feedback, chunked top-k and low-bit values, no outer momentum."""
 
     name = "sparseloco"
-    replica_groups_refusal = (
-        "its exchange is an all-gather of sparse payloads, not offered between replica groups")
+    # its all-gather runs between replica groups of one rank (lowcomm.comm.ft); a group that has
+    # just healed sends no row, and its error feedback starts empty (after_heal)
+    replica_groups_refusal = None
+    replica_groups_of_one_rank = True
     Config = SparseLoCoConfig
     display = Display("SparseLoCo", marker="<", color="C8")
     quickstart = (Point("SparseLoCo H=10 2-bit", "optimizer.lr=6e-3", "optimizer.sync_every=10"),)
@@ -50,6 +52,13 @@ class SparseLoCoStrategy(OuterLoopStrategy):
                   Row("SparseLoCo H=15 k=64 2-bit templar", "optimizer.topk=64", "optimizer.wire=templar"))
     mid_period = ("optimizer.sync_every=2",)
     cycle = Cycle(2, "optimizer.sync_every=2")
+
+    @classmethod
+    def replica_groups_overrides(cls) -> tuple[str, ...]:
+        return ()  # its sparse exchange and error feedback run between replica groups as they are
+
+    def after_heal(self, optimizer: SparseLoCo) -> None:
+        optimizer.forget_error_feedback()
 
     def codec(self) -> ChunkedTopK:
         return self.cfg.codec()

@@ -216,7 +216,7 @@ class Trainer:
         self.node_links = (node_link_rates(run.cluster, max(1, self.env.world_size // self.env.local_world_size))
                            if shaped_links(run.cluster) else None)
         if self.group is not None:
-            self.group.serve(self.model, self.optimizer, self.strategy.heal_sends_model)
+            self.group.serve(self.model, self.optimizer, self.strategy)
         self.checkpoints = CheckpointManager(self.run_dir, self.comm, self.strategy, train.keep_checkpoints,
                                              layout=self.strategy.layout(run.optimizer, self.env.local_world_size))
 

@@ -27,6 +27,7 @@ from lowcomm.comm.ft import FT_RECORD, LIGHTHOUSE_ENV, ReplicaGroups
 from lowcomm.config import ConfigError, RunConfig
 from lowcomm.distenv import DistEnv, rendezvous_address
 from lowcomm.rundir import RunDir
+from lowcomm.strategies import Strategy
 
 # A checkpoint's or a heal's record of the loop's step (the steps a group has done)
 HEALED_STEP = "step"
@@ -139,15 +140,16 @@ class ReplicaGroup:
                                       members=members, store=rendezvous_address() if members.world_size > 1 else None)
         self._healed_to: int | None = None
 
-    def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sends_model) -> None:
+    def serve(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
         """The state a peer behind this group is sent: the optimizer's, the loop's step, and the
-        model's parameters where ``sends_model(step)`` (not where the optimizer restores them
-        from its own global copy, the DiLoCo family at an outer step, nor where its state holds
-        them: Streaming DiLoCo's; :meth:`lowcomm.strategies.Strategy.heal_sends_model`)."""
+        model's parameters where the strategy says (:meth:`~lowcomm.strategies.Strategy.heal_sends_model`:
+        not where the optimizer restores them from its own global copy, the DiLoCo family at an
+        outer step, nor where its state holds them: Streaming DiLoCo's); and what of a peer's
+        state this group does not keep (:meth:`~lowcomm.strategies.Strategy.after_heal`)."""
 
         def save() -> dict:
             state = {HEALED_STEP: self.stepping, "optimizer": optimizer.state_dict()}
-            if sends_model(self.stepping):
+            if strategy.heal_sends_model(self.stepping):
                 state["model"] = model.state_dict()
             return state
 
@@ -155,6 +157,7 @@ class ReplicaGroup:
             if "model" in state:
                 model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
+            strategy.after_heal(optimizer)
             self._healed_to = int(state[HEALED_STEP])
 
         self.exchange.serve_state(save, load)
