@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowcomm.comm import Communicator
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
@@ -289,3 +290,22 @@ def tensor_bytes(state) -> int:
     """Bytes of a (nested) state dict's tensors, 0-dim ones (AdamW's step counters) aside: what
     a strategy's ``optimizer_state_bytes`` counts."""
     return sum(t.numel() * t.element_size() for t in tensors(state) if t.dim())
+
+
+class DroppingComm(Communicator):
+    """One worker between replica groups (:mod:`lowcomm.comm.ft`) whose exchanges commit for the
+    first ``commits`` asked, and are dropped after (a peer died inside them), counting the
+    commits asked for and the quorums told to heal (``fall_behind``)."""
+
+    replica_groups = True
+
+    def __init__(self, commits: int = 0):
+        super().__init__()
+        self.allowed, self.commits, self.fell_behind = commits, 0, 0
+
+    def commit(self) -> bool:
+        self.commits += 1
+        return self.commits <= self.allowed
+
+    def fall_behind(self) -> None:
+        self.fell_behind += 1

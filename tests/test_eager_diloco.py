@@ -46,7 +46,7 @@ from lowcomm.optim.eager_diloco import EagerDiLoCo, EagerDiLoCoArgs
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoConfig, DiLoCoStrategy
 from lowcomm.strategies.eager_diloco import EagerDiLoCoConfig, EagerDiLoCoStrategy
-from runs import kill_resume_and_compare, tensor_bytes
+from runs import DroppingComm, kill_resume_and_compare, tensor_bytes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -319,27 +319,12 @@ def test_sigkill_with_the_exchange_in_flight_then_resume_is_bit_identical(tmp_pa
     kill_resume_and_compare(tmp_path, "optimizer=eager_diloco", "optimizer.sync_every=2", "optimizer.lr=3e-3")
 
 
-class _Dropping(Communicator):
-    """One worker between replica groups whose every exchange is dropped (a peer died inside it),
-    counting the commits asked for."""
-
-    replica_groups = True
-
-    def __init__(self):
-        super().__init__()
-        self.commits = 0
-
-    def commit(self) -> bool:
-        self.commits += 1
-        return False
-
-
-def test_a_dropped_exchange_leaves_no_trace_and_a_restored_one_asks_no_quorum():
+def test_a_dropped_exchanges_mean_is_never_applied_and_a_restored_one_asks_no_quorum_but_a_heal():
     """x = 0, H = 2, outer lr 0.5, SGD lr 1, gradient k in phase k, one worker. Outer step 1:
     x = -1, -2, Delta^1 = 2, applied at once (W = 1): theta^1 = -1. Outer step 2: x = -3, -5,
     Delta^2 = 4; step 1's exchange is dropped, so its own term is taken back with no mean in
     its place: D = 4 - 2 = 2, theta^2 = -2, as if only Delta^2 had ever been applied."""
-    comm = _Dropping()
+    comm = DroppingComm()
     param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
     optimizer = _optimizer(param, comm)
     history = []
@@ -350,10 +335,11 @@ def test_a_dropped_exchange_leaves_no_trace_and_a_restored_one_asks_no_quorum():
     assert history == [-1, -1, -3, -2] and comm.commits == 1
     # resumed with step 2's exchange in flight: at outer step 3 no quorum holds it (none is asked),
     # and between replica groups it is dropped alike
-    resumed = _optimizer(torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)), _Dropping())
+    resumed = _optimizer(torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)), DroppingComm())
     resumed.load_state_dict(optimizer.state_dict())
     (resumed_param,) = resumed.param_groups[0]["params"]
     for _ in range(2):  # phase 3: x = -5, -8, Delta^3 = 6; D = 6 - 4 = 2, theta^3 = -3
         resumed_param.grad = torch.tensor([3.0], dtype=torch.float64)
         resumed.step()
     assert resumed.comm.commits == 0 and resumed_param.item() == -3
+    assert resumed.comm.fell_behind == 1  # its peers may have applied it: it heals at this quorum

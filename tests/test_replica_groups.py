@@ -278,7 +278,7 @@ def _gather_after_a_heal(rank: int, world: int, lighthouse: str) -> dict:
     from each, and the healed group's (zeros) is left out of what counts."""
     meter = CommMeter()
     groups = _groups(rank, world, lighthouse, meter)
-    groups.serve_state(lambda: {"w": torch.zeros(1)}, lambda sent: None)
+    groups.serve_state(lambda: {"w": torch.zeros(1)}, lambda _sent: None)
     groups.progress = 30 if rank == 0 else 10
     groups.begin_exchange()
     rows = torch.empty(groups.world_size * 3)

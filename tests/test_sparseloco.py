@@ -34,7 +34,7 @@ from lowcomm.compress.chunked_topk import ChunkedTopK, pack_uint12, unpack_uint1
 from lowcomm.optim.sparseloco import SparseLoCo, SparseLoCoArgs
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.sparseloco import SparseLoCoConfig, SparseLoCoStrategy
-from runs import kill_resume_and_compare
+from runs import DroppingComm, kill_resume_and_compare
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 3
@@ -345,27 +345,35 @@ def test_comm_table_rows_for_the_paper_models(model, parameters):
     assert rows["templar"].payload_mb * 1e6 == pytest.approx((parameters / 64 * 2.5 + 16 * tensors) / 15)
 
 
-class _Dropping(Communicator):
-    """One worker between replica groups whose every exchange is dropped (a peer died inside it)."""
-
-    replica_groups = True
-
-    def commit(self) -> bool:
-        return False
-
-
 def test_a_dropped_exchange_gives_the_error_feedback_back_what_it_sent():
-    """One worker, H = 1: its outer step's exchange is dropped, so the parameters go back to
-    the global copy and the accumulator holds all of beta E + Delta again, the kept entries too
-    (no one applied them)."""
+    """One worker, H = 1, error feedback beta = 0.5: its first exchange commits (the accumulator
+    keeps E_1, the residual), its second is dropped, so the parameters go back to the global
+    copy and the accumulator holds all of beta E_1 + Delta_2, the kept entries too (no one
+    applied them)."""
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.zeros(64))
-    args = SparseLoCoArgs.defaults(sync_every=1, chunk=8, topk=2, bits=None)
-    optimizer = SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), args, comm=_Dropping())
+    args = SparseLoCoArgs.defaults(sync_every=1, chunk=8, topk=2, bits=None, error_feedback=0.5)
+    optimizer = SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), args, comm=DroppingComm(commits=1))
+    param.grad = torch.randn(64)
+    optimizer.step()
+    (error,) = optimizer._error
+    residual, start = error.clone(), param.detach().clone()
+    assert residual.abs().sum() > 0  # what the first payload did not carry
     gradient = torch.randn(64)
     param.grad = gradient.clone()
     optimizer.step()
-    assert torch.equal(param.detach(), torch.zeros(64))  # nothing applied: back to the global copy
-    (error,) = optimizer._error
-    # Delta = global - local = 0 - (0 - 1 x g) = g, all of it kept for the next exchange
-    torch.testing.assert_close(error, gradient, rtol=0, atol=1e-6)
+    assert torch.equal(param.detach(), start)  # nothing applied: back to the global copy
+    # Delta_2 = global - local = start - (start - 1 x g) = g
+    torch.testing.assert_close(error, 0.5 * residual + gradient, rtol=0, atol=1e-6)
+    assert optimizer.comm.commits == 2
+
+
+def test_a_heal_does_not_send_the_error_feedback_and_the_healed_worker_empties_its_own():
+    strategy = SparseLoCoStrategy(SparseLoCoConfig.defaults(), {"name": "none"}, Communicator())
+    param = torch.nn.Parameter(torch.zeros(64))
+    optimizer = SparseLoCo([param], lambda ps: torch.optim.SGD(ps, lr=1.0), SparseLoCoArgs.defaults(),
+                           comm=Communicator())
+    optimizer._error[0].fill_(1.0)
+    assert "error_feedback" in strategy.heal_leaves_out and "error_feedback" in optimizer.state_dict()
+    strategy.after_heal(optimizer)
+    assert torch.equal(optimizer._error[0], torch.zeros(64))

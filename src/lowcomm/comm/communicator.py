@@ -250,6 +250,10 @@ class Communicator:
         lost peer ends the run); between replica groups, False when a group died inside it."""
         return True
 
+    def fall_behind(self) -> None:
+        """Between replica groups: heal from a live peer at the next quorum
+        (:meth:`lowcomm.comm.ft.ReplicaGroups.fall_behind`); nothing here."""
+
     def contributions(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of an all-gather (one per rank) that count in this exchange: all here;
         between replica groups, those of the groups that contribute."""

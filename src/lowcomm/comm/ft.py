@@ -11,10 +11,10 @@ applies its result, so that it leaves the exchange where its peers do. An exchan
 midway (a peer died inside it) is not committed by anyone (:meth:`commit`), and each group
 goes on from the state before it.
 
-Every byte goes through the meter: the exchange as the ring all-reduce gloo runs over the live
-groups, the count of contributors as control traffic, and a heal as its own kind (purpose
-``heal``: the state's tensor bytes, sent by the peer and received by the healed group, outside
-the paper's MB/step column).
+Every byte goes through the meter: the exchange as the ring all-reduce (or all-gather) gloo runs
+over the live groups, a flag per group saying which contribute as control traffic, and a heal as
+its own kind (purpose ``heal``: the state's tensor bytes, sent by the peer and received by the
+healed group, outside the paper's MB/step column).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def metered_transport(meter: CommMeter, timeout: datetime.timedelta):
 def _refused(collective: str):
     def refused(self, *args, **kwargs):  # noqa: ARG001 - any collective's signature
         raise NotImplementedError(f"{collective} between replica groups (cluster.fault_tolerance=torchft): only the "
-                                  "dense all-reduce runs there")
+                                  "all-reduce and the all-gather into one tensor run there")
     return refused
 
 
@@ -171,6 +171,7 @@ class ReplicaGroups(Communicator):
         self.contributors = replicas
         self.contributing = True  # False in the exchange right after a heal: this group sends zeros
         self._contributed: list[bool] | None = None  # per participant of the quorum (None: all)
+        self._behind = 0  # steps the next quorum is told less than the loop's (fall_behind)
         self.events: list[dict] = []
         self.healed_state: dict | None = None  # what the last heal loaded, until the loop takes it
         self._save: Callable[[], dict] | None = None
@@ -243,7 +244,8 @@ class ReplicaGroups(Communicator):
         healed_before = self.healed_state
         # torchft's step is its count of commits; a dropped exchange would leave it behind the
         # steps a group has trained, so the quorum is given the steps themselves
-        self.manager.load_state_dict({"step": self.progress, "batches_committed": 0})
+        self.manager.load_state_dict({"step": self.progress - self._behind, "batches_committed": 0})
+        self._behind = 0
         self.manager.start_quorum()
         healed = self.healed_state is not healed_before
         self.world_size = self.manager.num_participants()
@@ -275,7 +277,15 @@ class ReplicaGroups(Communicator):
 
     @property
     def averaged_over(self) -> int:
-        return self.contributors * (self.members.world_size if self.members is not None else 1)
+        # (at least one: where the flags' own all-reduce failed, the exchange is dropped anyway)
+        return max(1, self.contributors) * (self.members.world_size if self.members is not None else 1)
+
+    def fall_behind(self) -> None:
+        """At the next quorum, count one step fewer than the loop has done: a group whose state
+        left an exchange its peers applied (one in flight when it checkpointed, dropped on
+        resume) heals from a peer there, rather than going on apart from them. Where every group
+        did the same (a whole job resumed), no one is ahead and no one heals."""
+        self._behind = 1
 
     # ------------------------------------------------------------------ collectives
     def _issue(self, tensor: torch.Tensor, op: str):
@@ -324,21 +334,25 @@ class ReplicaGroups(Communicator):
         self._record("all_gather", payload, ring_all_gather_traffic(payload, self.world_size), purpose)
         if self.world_size <= 1:
             output.view(-1).copy_(tensor.reshape(-1))
-        else:
+        elif not self.manager.errored():  # (after an error this exchange is dropped: no collective)
             rows = list(output.view(self.world_size, -1).unbind(0))
             try:  # an error (a group lost inside it) is the Manager's to report: the exchange is dropped
                 work = self._pg.allgather([rows], [tensor.reshape(-1).contiguous()], AllgatherOptions())
                 self.manager.wrap_future(work.get_future(), rows).wait()
             except Exception as exc:  # noqa: BLE001 - any failure of the collective drops the exchange
                 self.manager.report_error(exc)
+        if self.world_size > 1 and self.manager.errored():
+            output.zero_()  # what a failed gather left is no one's: decoded as nothing, then not committed
         work = DoneWork([output])
         return work if async_op else None
 
     def contributions(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of an all-gather (``rows[i]``: participant i's) of the groups that contribute
         to this exchange: all but a group that has just healed."""
-        if self._contributed is None or all(self._contributed) or len(self._contributed) != rows.shape[0]:
+        if self._contributed is None or all(self._contributed) or rows.shape[0] <= 1:
             return rows
+        if len(self._contributed) != rows.shape[0]:
+            raise ValueError(f"an all-gather of {rows.shape[0]} rows in a quorum of {len(self._contributed)} groups")
         return rows[torch.tensor(self._contributed, device=rows.device)]
 
     # the methods that run this way need none of these (Strategy.replica_groups_refusal)

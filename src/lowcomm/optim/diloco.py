@@ -67,7 +67,8 @@ def all_gather_payloads(comm: Communicator, payloads: Sequence[Payload]) -> list
     """All-gather one payload per tensor from every worker: ``gathered[rank][i]`` (the rows of
     :func:`all_gather_stacked`'s payloads)."""
     stacked = all_gather_stacked(comm, payloads)
-    senders = next(iter(stacked[0].tensors.values())).shape[0] if stacked else comm.world_size
+    rows = [tensor.shape[0] for payload in stacked for tensor in payload.tensors.values()]
+    senders = rows[0] if rows else comm.world_size
     return [[unstacked(payload, rank) for payload in stacked] for rank in range(senders)]
 
 
@@ -372,6 +373,7 @@ class DiLoCo(torch.optim.Optimizer):
                 local.copy_(global_)
             self._keep_unsent()
             return
+        self._sent = None
         for index, (local, global_) in enumerate(zip(self._params, self._global, strict=True)):
             direction = local  # the mean Delta, turned into the outer update direction in place
             momentum = self._momentum[index] if self._momentum is not None else None
@@ -410,9 +412,9 @@ class DiLoCo(torch.optim.Optimizer):
         only the residual: :meth:`_keep_unsent` gives it back what was sent, where an exchange
         is dropped)."""
         if self._feedback is not None:
-            self._sent = [self._feedback.compress(error, delta)
-                          for error, delta in zip(self._error, self._params, strict=True)]
-            return self._sent
+            sent = [self._feedback.compress(error, delta) for error, delta in zip(self._error, self._params, strict=True)]
+            self._sent = sent if self.comm.replica_groups else None  # (a fixed world never drops an exchange)
+            return sent
         return [self.compressor.encode(delta) for delta in self._params]
 
     def _keep_unsent(self) -> None:

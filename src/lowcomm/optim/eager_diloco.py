@@ -35,7 +35,9 @@ step as an uninterrupted run).
 Between replica groups that leave and rejoin (:mod:`lowcomm.comm.ft`) W is the ranks that
 contribute to the exchange begun at the outer step. The exchange of step t is committed at step
 t + 1, before the quorum of t + 1 forms. One a peer died inside is dropped: its mean is taken as
-zero, so the worker takes back its own eager term of step t and step t leaves no trace. A group
+zero, so the worker takes back its own eager term of step t: the step's mean is never applied
+(its own term lingers only in the outer momentum). A group that resumed with an exchange in
+flight drops it and heals from a peer at the next quorum (which its peers may have applied). A group
 behind its peers heals in the quorum of t + 1 (its global copy, own term and received mean become
 the peer's, its parameters the global copy): its fresh Delta is zero, and it applies the peer's
 delayed mean less the peer's own term.
@@ -104,13 +106,16 @@ class EagerDiLoCo(DiLoCo):
         # The last outer step's mean has had H inner steps to arrive; waited for (and, between
         # replica groups, committed) before the next exchange starts, so that no two are in
         # flight at once. One a peer died inside is dropped by every group alike: this worker
-        # then takes back its own eager term of that step (below), so the step leaves no trace.
-        # Restored from a checkpoint, no quorum holds it: plainly it is applied, as it would
-        # have been; between replica groups it is dropped, which every group resuming there does.
+        # then takes back its own eager term of that step (below), and the step's mean is never
+        # applied. Restored from a checkpoint, no quorum holds it: plainly it is applied, as it
+        # would have been; between replica groups it is dropped, and the group heals from a peer
+        # at this quorum (its peers may have applied it; where all resumed alike, none heals).
         if self._pending is not None:
             self._pending.wait()
             committed = self.comm.commit() if self._pending_here else not self.comm.replica_groups
             if not committed:
+                if not self._pending_here:  # peers may have applied it: take their state at this quorum
+                    self.comm.fall_behind()
                 self._pending = None
         # Between replica groups a quorum forms now. A group behind its peers takes a live
         # peer's state here (its global copy, own term and the mean it received; its

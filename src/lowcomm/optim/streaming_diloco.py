@@ -198,6 +198,8 @@ class StreamingDiLoCo(torch.optim.Optimizer):
             # have been; between replica groups it is dropped, which every group resuming there
             # does alike (a peer may have died inside it; a group behind its peers heals next)
             committed = self.comm.commit() if any(e.begun_here for e in due) else not self.comm.replica_groups
+            if not committed and not any(e.begun_here for e in due):
+                self.comm.fall_behind()  # peers may have merged it: take their state at the next quorum
             for exchange, mean in zip(due, means, strict=True):
                 self._receive(exchange.fragment, mean if committed else None)
                 self._in_flight.remove(exchange)

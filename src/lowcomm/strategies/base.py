@@ -326,9 +326,13 @@ class Strategy:
         whose optimizer state holds the worker's parameters says no everywhere."""
         return not self.outer_boundary(step)
 
+    # Keys of the optimizer's state dict a heal does not send (the healed worker keeps its own,
+    # then after_heal decides): SparseLoCo's error feedback, the peer's residual to send
+    heal_leaves_out: ClassVar[tuple[str, ...]] = ()
+
     def after_heal(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a heal has loaded a live peer's optimizer state: what of it is not this worker's
-        to keep (nothing by default; SparseLoCo's error feedback, the peer's residual to send)."""
+        """After a heal has loaded a live peer's optimizer state: what of this worker's own it
+        does not keep (nothing by default; SparseLoCo empties its error feedback)."""
 
     def boundary_saved_bytes(self, model: torch.nn.Module) -> float:  # noqa: ARG002
         """Per-rank bytes a checkpoint at an outer boundary leaves out (:meth:`outer_boundary`)."""

@@ -70,8 +70,8 @@ class DiLoCoStrategy(OuterLoopStrategy):
         errors = super().check_replica_groups(cfg, compression)
         if not errors and compression.get("name", "none") != "none":
             errors.append(f"optimizer={cls.name} runs under cluster.fault_tolerance=torchft with its dense exchange "
-                          f"only (compression=none): a compressed one is an all-gather, not offered between "
-                          f"replica groups")
+                          f"only (compression=none): a compressed one with its error feedback is not built between "
+                          f"replica groups (SparseLoCo's is)")
         return errors
 
     def codec(self) -> Codec | None:

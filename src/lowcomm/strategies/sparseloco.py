@@ -41,9 +41,11 @@ class SparseLoCoStrategy(OuterLoopStrategy):
 
     name = "sparseloco"
     # its all-gather runs between replica groups of one rank (lowcomm.comm.ft); a group that has
-    # just healed sends no row, and its error feedback starts empty (after_heal)
+    # just healed sends no row, and its error feedback starts empty (a heal does not send the
+    # peer's: after_heal)
     replica_groups_refusal = None
     replica_groups_of_one_rank = True
+    heal_leaves_out = ("error_feedback",)
     Config = SparseLoCoConfig
     display = Display("SparseLoCo", marker="<", color="C8")
     quickstart = (Point("SparseLoCo H=10 2-bit", "optimizer.lr=6e-3", "optimizer.sync_every=10"),)

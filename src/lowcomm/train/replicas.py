@@ -148,7 +148,8 @@ class ReplicaGroup:
         state this group does not keep (:meth:`~lowcomm.strategies.Strategy.after_heal`)."""
 
         def save() -> dict:
-            state = {HEALED_STEP: self.stepping, "optimizer": optimizer.state_dict()}
+            sent = {key: value for key, value in optimizer.state_dict().items() if key not in strategy.heal_leaves_out}
+            state = {HEALED_STEP: self.stepping, "optimizer": sent}
             if strategy.heal_sends_model(self.stepping):
                 state["model"] = model.state_dict()
             return state
@@ -156,7 +157,8 @@ class ReplicaGroup:
         def load(state: dict) -> None:
             if "model" in state:
                 model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            own = optimizer.state_dict()
+            optimizer.load_state_dict({**state["optimizer"], **{key: own[key] for key in strategy.heal_leaves_out}})
             strategy.after_heal(optimizer)
             self._healed_to = int(state[HEALED_STEP])
 
