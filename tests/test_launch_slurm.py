@@ -18,7 +18,7 @@ import pytest
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import ClusterSpec
 from lowcomm.data import materialize
-from lowcomm.distenv import gpu_for_local_rank
+from lowcomm.distenv import gpu_for_local_rank, job_port
 from lowcomm.launch.slurm import (
     PreemptionFlag,
     make_executor,
@@ -252,7 +252,13 @@ def test_setup_distributed_inside_slurm_tasks(slurm_results, tmp_path, monkeypat
         assert environ["LOCAL_WORLD_SIZE"] == "2"
         assert environ["MASTER_ADDR"] == socket.gethostname().split(".")[0]
         assert seen["cuda_visible_devices"] == ["4", "5"][task_id]
-    assert results[0]["environ"]["MASTER_PORT"] == results[1]["environ"]["MASTER_PORT"]
+    assert results[0]["environ"]["MASTER_PORT"] == results[1]["environ"]["MASTER_PORT"] == str(job_port(job.job_id))
+
+
+def test_a_jobs_rendezvous_port_is_its_own_and_below_the_ephemeral_ports():
+    ports = [job_port(str(job_id)) for job_id in (38089000, 38089001, 55175001, 1)]
+    assert len(set(ports)) == 4 and all(20000 <= port < 32768 for port in ports)
+    assert job_port("38089000") == job_port("38089000")  # every task of a job derives the same
 
 
 def _wait_for_files(paths: list[Path], timeout_s: float) -> None:

@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 STEPS = 30
 # long enough that the surviving group still trains when the other is back: both compute 10x
-# slower (sleeping, lowcomm.train.slowdown), ~0.2 s a step here (a minute in all) against ~20 s
+# slower (sleeping, lowcomm.train.slowdown), ~0.15 s a step here (40 s in all) against ~20 s
 # to requeue and start
-FT_STEPS = 300
+FT_STEPS = 260
 
 
 def test_a_two_node_diloco_job_is_preempted_requeued_and_ends_bit_identical(two_node_slurm, tmp_path):

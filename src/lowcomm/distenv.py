@@ -56,7 +56,7 @@ def setup_distributed_from_slurm() -> tuple[int, int, int, int]:
     Returns ``(rank, world_size, local_rank, local_world_size)``, the numbers that
     :meth:`DistEnv.from_environ` reads back afterwards.
 
-    Sets MASTER_ADDR (the job's first node), MASTER_PORT (derived from the job id, or
+    Sets MASTER_ADDR (the job's first node), MASTER_PORT (:func:`job_port` of the job id, or
     $MASTER_PORT when the job's environment sets it), RANK, WORLD_SIZE, LOCAL_RANK and
     LOCAL_WORLD_SIZE, replacing any values inherited from the submitting shell. Then narrows
     CUDA_VISIBLE_DEVICES to this rank's GPU, so every rank uses ``cuda:0``: call it before
@@ -66,6 +66,8 @@ def setup_distributed_from_slurm() -> tuple[int, int, int, int]:
     """
     import submitit  # only inside a SLURM task: importing it costs a second elsewhere
 
+    if "SLURM_JOB_ID" in os.environ:  # (submitit's own pick, from 20000-60000, may be a port in use)
+        os.environ.setdefault("MASTER_PORT", str(job_port(os.environ["SLURM_JOB_ID"])))
     torch_env = submitit.helpers.TorchDistributedEnvironment()
     allocated_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     torch_env.export(set_cuda_visible_devices=False, overwrite=True)
@@ -73,6 +75,17 @@ def setup_distributed_from_slurm() -> tuple[int, int, int, int]:
         allocated_gpus, torch_env.local_rank, torch_env.local_world_size
     )
     return torch_env.rank, torch_env.world_size, torch_env.local_rank, torch_env.local_world_size
+
+
+# A job's rendezvous port: below Linux's ephemeral ports (32768 and up by default), where any
+# process's outgoing connection may hold the one a job picked there
+JOB_PORTS = range(20000, 32768)
+
+
+def job_port(job_id: str) -> int:
+    """The rendezvous port of SLURM job ``job_id`` (every task of the job derives the same one;
+    a job array's elements have job ids of their own)."""
+    return JOB_PORTS.start + int(job_id) % len(JOB_PORTS)
 
 
 def gpu_for_local_rank(allocated_gpus: str | None, local_rank: int, local_world_size: int) -> str:
