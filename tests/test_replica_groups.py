@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -440,7 +441,8 @@ def test_a_killed_group_stops_no_other_is_relaunched_and_rejoins_on_the_others_m
     out, err = proc.communicate(timeout=240)
 
     assert proc.returncode == 0, out + err
-    assert "[lowcomm] replica group 1 (its rank 1) left (killed by SIGKILL); starting it again to rejoin" in out
+    # (its killed rank, or its other rank, which may find the group lost first on busy cores)
+    assert re.search(r"\[lowcomm\] replica group 1 \(its rank [01]\) left \([^)]*\); starting it again to rejoin", out), out
     # group 0 was never stopped: one start, and a record of every step in order
     assert out.count(f"[lowcomm] {run.run_name}: starting") == 1
     steps0 = [record["step"] for record in _records(group0) if "train/loss" in record]
