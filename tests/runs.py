@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from lowcomm.comm import Communicator
+from lowcomm.comm.ft import LIGHTHOUSE_ENV
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep
-from lowcomm.launch.local import prepare_run_dir
+from lowcomm.launch.local import prepare_run_dir, replica_lighthouse
 from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
@@ -55,11 +56,26 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
     state from an earlier run (the server has imported torch and OLMo alone), so a resume here starts
     from the checkpoint as a relaunched worker does. For tests of what a run computes and
     writes; tests of processes themselves (signals, exit lines, lost peers) launch for real.
+    Replica groups of one rank (``cluster.fault_tolerance=torchft``) get their lighthouse as the
+    launcher starts it (:func:`replica_lighthouse`: here, its address in the ranks' environment).
     A finished run is left as it is, as ``launch_local`` leaves it. Returns the run directory."""
     if RunDir(run.run_dir).read_summary() is not None:
         return run.run_dir
     config_path = prepare_run_dir(run)
-    spawn_workers(_train_rank, run.world_size, str(config_path), timeout_s=timeout_s)
+    lighthouse = replica_lighthouse(run)
+    if lighthouse is not None and run.cluster.ranks_per_group != 1:
+        lighthouse.shutdown()
+        raise ValueError("train_in_workers runs replica groups of one rank (groups of several meet at stores of "
+                         "their own, which launch_local makes)")
+    try:
+        with pytest.MonkeyPatch.context() as env:  # spawn_workers hands its caller's environment on
+            if lighthouse is not None:
+                env.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+            spawn_workers(_train_rank, run.world_size, str(config_path), timeout_s=timeout_s,
+                          backend=None if lighthouse is not None else "gloo")  # groups: no world-wide group
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
     return run.run_dir
 
 

@@ -35,6 +35,10 @@ FT_STEPS = 260
 
 
 def test_a_two_node_diloco_job_is_preempted_requeued_and_ends_bit_identical(two_node_slurm, tmp_path):
+    """DiLoCo's workers differ between synchronisations (H=7, preempted mid-period): the
+    preemption checkpoint must hold every rank's own state, on both nodes, for the requeued job
+    to end exactly where an uninterrupted one does. (The one SLURM preemption test of a method
+    with per-rank state: test_sweeps' preempts AdamW-DDP on one node.)"""
     nodes, _conf = two_node_slurm
     diloco = [*TINY, *SMALL_SYNTHETIC, "cluster=slurm_local_2node", f"train.max_steps={STEPS}",
               "train.checkpoint_every=0", "optimizer=diloco", "optimizer.lr=0.003", "optimizer.sync_every=7"]

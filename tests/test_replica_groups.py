@@ -37,7 +37,7 @@ from lowcomm.strategies import STRATEGIES
 from lowcomm.train.checkpoint import load_file, optim_rank_file
 from lowcomm.train.metrics import read_metrics
 from lowcomm.train.replicas import replica_run_dir
-from runs import SMALL_SYNTHETIC, TINY, worker_pids
+from runs import SMALL_SYNTHETIC, TINY, train_in_workers, worker_pids
 
 TORCHFT = ["cluster.fault_tolerance=torchft"]
 
@@ -153,7 +153,7 @@ def test_replica_groups_that_lose_nobody_train_what_the_plain_run_trains(name, t
     plain = trained_run(f"optimizer={name}", *_dense(name))
     groups = validate(compose([*TINY, *SMALL_SYNTHETIC, f"run_root={tmp_path}", "cluster.workers=2",
                                "train.max_steps=6", f"optimizer={name}", *_dense(name), *TORCHFT]))
-    launch_local(groups)
+    train_in_workers(groups)  # forked ranks: what the groups compute, not how they are started
     expected = RunDir(plain.run_dir).read_summary()
     for replica in (0, 1):
         group_dir = replica_run_dir(groups.run_dir, replica)

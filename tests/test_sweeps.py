@@ -38,7 +38,6 @@ from lowcomm.train.metrics import read_metrics
 from runs import (
     SMALL_SYNTHETIC,
     TINY,
-    preempted_run_ends_like_an_uninterrupted_one,
     slurm_job_id,
     slurm_logs,
     train_losses,
@@ -429,12 +428,3 @@ def test_dry_run_prints_checkpoint_size_and_write_time_and_warns_when_it_does_no
     assert f"{2 * params_gb / 0.02:,.0f} s: the ranks write at once at 20 MB/s each" in out
     assert "WARNING: 11 of 11 jobs cannot write a checkpoint within the preemption lead time (see above)" in out
     assert "cluster.collective_timeout_s (see above)" not in out
-
-
-@pytest.mark.slow
-@pytest.mark.slurm
-def test_a_preempted_diloco_run_mid_period_is_requeued_and_ends_bit_identical(local_slurm, tmp_path):  # noqa: ARG001
-    """DiLoCo's workers differ between synchronisations: the preemption checkpoint must hold
-    every rank's own state for the requeued job to end exactly where an uninterrupted one does."""
-    diloco = [*SLURM_RUN, "optimizer=diloco", "optimizer.lr=0.003", "optimizer.sync_every=7"]
-    preempted_run_ends_like_an_uninterrupted_one(diloco, tmp_path, steps=STEPS, ranks=2)

@@ -104,7 +104,8 @@ def _entry(rank, world_size, port, fn, args, queue, threads, backend, caller):
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself (Trainer.close)
             # a CUDA-only backend ("cuda:gloo") has no CPU barrier: a gloo group beside it does
@@ -119,11 +120,12 @@ def _entry(rank, world_size, port, fn, args, queue, threads, backend, caller):
 
 def spawn_workers(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
 ) -> list[Any]:
     """``fn`` must be importable (module level) so that it can be pickled to the workers.
     ``backend`` is ``init_process_group``'s: ``"cuda:gloo"`` gives a group that, like NCCL,
-    refuses CPU tensors."""
+    refuses CPU tensors; None, no world-wide group (workers that meet in groups of their own,
+    as replica groups do)."""
     # Workers fork from a server that has imported PRELOAD and nothing else: CUDA cannot run in
     # a process forked from one that initialised it, and importing PRELOAD does not (on an H200,
     # 2026-11-28, forked workers ran NCCL at W=1 and gloo on CUDA tensors at W=2 while the
