@@ -1,0 +1,315 @@
+"""A hub: one process that learners push tensors to and pull tensors from over TCP, each on its
+own clock, every byte metered (the transport of a synchronizer: :mod:`lowcomm.optim.synchronizer`).
+
+A collective makes every worker wait for the slowest; the methods built for unequal workers
+(Decoupled DiLoCo, asynchronous DiLoCo) instead send to one synchronizer whenever a learner is
+ready, and take what it sends back whenever it arrives. A gloo process group cannot carry that:
+its members are fixed when it forms and one lost member breaks it. So the hub is a TCP server
+and each learner one connection to it: a learner that dies closes its connection and no other
+notices, and one that starts again connects again.
+
+A message is a header (a small JSON object: what the tensors are, a learner's counters) and
+tensors, framed as ``[4 B header length][8 B tensor bytes][header][tensor bytes]`` (lengths
+big-endian). Its ``payload`` is the tensor bytes, what the paper counts; ``tx`` / ``rx`` are the
+whole frame, what the socket carries (the kernel adds TCP/IP's framing on top). Both ends meter
+what they send and receive (:class:`~lowcomm.comm.meter.CommMeter`, collective ``push`` on a
+learner's side and ``pull`` for what it receives; the hub's own meter mirrors them), so summed
+over learners and hub, tx equals rx.
+
+Sending never blocks the trainer: a learner's :meth:`HubLink.push` queues the frame for a
+thread of its own, and a thread receives into a queue the learner reads between its steps
+(:meth:`HubLink.take`, :meth:`HubLink.wait_for`). The meter is only ever touched by the caller's
+thread: a push is counted as it is queued (its frame's size is known then), a received message as
+it is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lowcomm.comm.meter import CommMeter
+
+_PREFIX = struct.Struct("!IQ")
+_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                            torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+PUSH, PULL = "push", "pull"  # the meter's collectives: a learner's sends, and what it receives
+SYNC = "sync"  # the meter's purpose: the synchronizer's traffic, the method's exchange
+
+
+class HubClosed(ConnectionError):
+    """The other end of a hub connection is gone."""
+
+
+@dataclass
+class Message:
+    """A header and its tensors, as received; ``nbytes``: its whole frame."""
+
+    header: dict
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+    @property
+    def payload(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def frame(header: dict, tensors: Sequence[torch.Tensor]) -> list[bytes | memoryview]:
+    """The bytes of one message, in the order they go on the wire."""
+    tensors = [t.detach().contiguous().cpu() for t in tensors]
+    specs = [[str(t.dtype), list(t.shape)] for t in tensors]
+    head = json.dumps({"header": header, "tensors": specs}, separators=(",", ":")).encode()
+    data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"" for t in tensors]
+    return [_PREFIX.pack(len(head), sum(len(d) for d in data)), head, *data]
+
+
+def frame_size(parts: Sequence[bytes | memoryview]) -> int:
+    return sum(len(part) for part in parts)
+
+
+def payload_size(parts: Sequence[bytes | memoryview]) -> int:
+    """The tensor bytes of a :func:`frame`: what the paper's convention counts."""
+    return frame_size(parts[2:])
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = sock.recv_into(view[got:], size - got)
+        if count == 0:
+            raise HubClosed("the connection closed mid-message" if got else "the connection closed")
+        got += count
+    return buffer
+
+
+def read_message(sock: socket.socket) -> Message:
+    head_len, data_len = _PREFIX.unpack(_read_exactly(sock, _PREFIX.size))
+    head = json.loads(_read_exactly(sock, head_len))
+    data = _read_exactly(sock, data_len) if data_len else bytearray()
+    tensors, offset = [], 0
+    for dtype_name, shape in head["tensors"]:
+        dtype = _DTYPES[dtype_name]
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        chunk = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        tensors.append(chunk.view(dtype).reshape(shape).clone())
+        offset += nbytes
+    return Message(head["header"], tensors, _PREFIX.size + head_len + data_len)
+
+
+class _Connection:
+    """One socket: a thread receiving into ``inbox`` (``(Message, None)``, or ``(None, error)``
+    once when it closes) and sends serialised by a lock."""
+
+    def __init__(self, sock: socket.socket, inbox: queue.Queue, tag=None):
+        self.sock, self.inbox, self.tag = sock, inbox, tag
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send_lock = threading.Lock()
+        self.closed = False
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"hub-read-{tag}")
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.inbox.put((self.tag, read_message(self.sock), None))
+        except (OSError, ValueError) as error:  # HubClosed is an OSError
+            self.closed = True
+            self.inbox.put((self.tag, None, error))
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        with self._send_lock:
+            for part in parts:
+                self.sock.sendall(part)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class Hub:
+    """The synchronizer's end: listens on ``host:port`` (0: the kernel's choice), takes a
+    connection from each learner (its first message names it: ``{"learner": m}``) and hands
+    every message on, in arrival order, through :meth:`next`. :meth:`send` answers one learner,
+    :meth:`learners` says who is connected. Bytes both ways are in ``meter``."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, meter: CommMeter | None = None):
+        self.meter = meter if meter is not None else CommMeter()
+        self._server = socket.create_server((host, port), reuse_port=False)
+        self.port = self._server.getsockname()[1]
+        self._inbox: queue.Queue = queue.Queue()
+        self._connections: dict[int, _Connection] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+        self._acceptor = threading.Thread(target=self._accept, daemon=True, name="hub-accept")
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                hello = read_message(sock)
+                learner = int(hello.header["learner"])
+            except (OSError, ValueError, KeyError, TypeError):
+                sock.close()
+                continue
+            with self._lock:
+                old = self._connections.get(learner)
+                self._connections[learner] = _Connection(sock, self._inbox, tag=learner)
+            if old is not None:  # a learner started again: its old connection is stale
+                old.close()
+            self._inbox.put((learner, Message({"joined": learner}, [], hello.nbytes), None))
+
+    def learners(self) -> list[int]:
+        with self._lock:
+            return sorted(m for m, c in self._connections.items() if not c.closed)
+
+    def next(self, timeout: float | None = None) -> tuple[int, Message | None]:
+        """The next message and its learner, in arrival order: ``(m, Message)``; ``(m, None)``
+        once learner m's connection closed; raises ``queue.Empty`` after ``timeout`` seconds."""
+        while True:
+            learner, message, error = self._inbox.get(timeout=timeout)
+            with self._lock:
+                stale = error is not None and self._connections.get(learner) is not None \
+                    and not self._connections[learner].closed
+            if stale:  # the error of a connection a newer one of the same learner replaced
+                continue
+            if message is not None:  # (a learner's hello too: its frame crossed the wire)
+                self.meter.record(PUSH, message.payload, 0, message.nbytes, purpose=SYNC)
+            return learner, message
+
+    def send(self, learner: int, header: dict, tensors: Sequence[torch.Tensor] = ()) -> bool:
+        """Send to ``learner``; False when it is not connected (a lost learner: nobody waits)."""
+        with self._lock:
+            connection = self._connections.get(learner)
+        if connection is None or connection.closed:
+            return False
+        parts = frame(header, tensors)
+        try:
+            connection.send(parts)
+        except OSError:
+            return False
+        self.meter.record(PULL, payload_size(parts), frame_size(parts), 0, messages=1, purpose=SYNC)
+        return True
+
+    def close(self) -> None:
+        self._closing = True
+        self._server.close()
+        with self._lock:
+            connections = list(self._connections.values())
+        for connection in connections:
+            connection.close()
+
+
+class HubLink:
+    """A learner's end of the hub at ``address`` (``host:port``): :meth:`push` queues a message
+    (sent by a thread of its own), :meth:`take` returns what has arrived, :meth:`wait_for` blocks
+    for a message that passes a test. Bytes in ``meter``, counted in the caller's thread."""
+
+    def __init__(self, address: str, learner: int, meter: CommMeter, *, connect_timeout_s: float = 60.0):
+        host, _, port = address.rpartition(":")
+        self.learner, self.meter = learner, meter
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise HubClosed(f"no synchronizer at {address} within {connect_timeout_s:.0f} s") from None
+                time.sleep(0.1)
+        sock.settimeout(None)
+        hello = frame({"learner": learner}, [])
+        sock.sendall(b"".join(bytes(p) for p in hello))
+        self.meter.record(PUSH, 0, frame_size(hello), 0, messages=1, purpose=SYNC)
+        self._inbox: queue.Queue = queue.Queue()
+        self._connection = _Connection(sock, self._inbox, tag=learner)
+        self._outbox: queue.Queue = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send, daemon=True, name="hub-send")
+        self._sender.start()
+        self._kept: list[Message] = []
+
+    def _send(self) -> None:
+        while (parts := self._outbox.get()) is not None:
+            try:
+                self._connection.send(parts)
+            except OSError as error:
+                self._send_error = error
+                return
+            finally:
+                self._outbox.task_done()
+
+    def push(self, header: dict, tensors: Sequence[torch.Tensor] = ()) -> int:
+        """Queue a message to the synchronizer; returns its frame's size (the tensors are copied
+        now: the caller may go on changing its own)."""
+        if self._send_error is not None or self._connection.closed:
+            raise HubClosed(f"the synchronizer is gone ({self._send_error or 'connection closed'})")
+        parts = frame(header, [t.detach().clone() for t in tensors])
+        size = frame_size(parts)
+        self.meter.record(PUSH, payload_size(parts), size, 0, messages=1, purpose=SYNC)
+        self._outbox.put(parts)
+        return size
+
+    def flush(self) -> None:
+        """Until every queued push is on the wire (before a checkpoint: nothing in flight)."""
+        self._outbox.join()
+        if self._send_error is not None:
+            raise HubClosed(f"the synchronizer is gone ({self._send_error})")
+
+    def _drain(self, block: bool, timeout: float | None) -> None:
+        try:
+            _, message, error = self._inbox.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            if message is None:
+                raise HubClosed(f"the synchronizer is gone ({error})")
+            self.meter.record(PULL, 0, 0, message.nbytes, purpose=SYNC)
+            self._kept.append(message)
+            try:
+                _, message, error = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def take(self) -> list[Message]:
+        """Every message arrived so far, in order (none: an empty list); never blocks."""
+        self._drain(block=False, timeout=None)
+        kept, self._kept = self._kept, []
+        return kept
+
+    def wait_for(self, wanted: Callable[[Message], bool], timeout_s: float) -> Message:
+        """Block until a message that ``wanted`` accepts has arrived and return it (the others
+        that arrived meanwhile stay for :meth:`take`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for index, message in enumerate(self._kept):
+                if wanted(message):
+                    return self._kept.pop(index)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message from the synchronizer within {timeout_s:.0f} s")
+            self._drain(block=True, timeout=left)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._connection.close()
