@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(tmp_path):
+    # (one method: the second test runs the DeMo family, whose exchanges overlap its compute)
     done = run_shaping_benchmark(WAN, "--workers", "2", "--steps", "4", "--links", "50M", "--optimizers", "AdamW-DDP",
-                                 "DeMo k=32", "--out", str(tmp_path), "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
+                                 "--out", str(tmp_path), "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "wan.json").read_text())
     assert left_behind(result["namespaces"]) == [], "the benchmark's namespace was not deleted"
@@ -29,22 +30,20 @@ def test_a_short_run_over_a_shaped_loopback_reports_measurement_and_prediction(t
     assert list(result["links"]) == ["unshaped", "50Mbit"]
     assert result["links"]["unshaped"]["tc"] == "" or "tbf" not in result["links"]["unshaped"]["tc"]
     assert "tbf" in result["links"]["50Mbit"]["tc"] and "rate 50Mbit" in result["links"]["50Mbit"]["tc"]
-    for label in ("AdamW-DDP", "DeMo k=32"):
+    for label in ("AdamW-DDP",):
         unshaped, shaped = result["links"]["unshaped"]["runs"][label], result["links"]["50Mbit"]["runs"][label]
         # the same training on both sides of the shaping
         assert unshaped["final_val_loss"] == shaped["final_val_loss"]
         assert unshaped["metered_tx_MB_per_step"] == shaped["metered_tx_MB_per_step"] > 0
         # the kernel carried at least what the meter counted (plus the wire's framing)
         assert shaped["kernel_MB_per_step"] >= shaped["metered_tx_MB_per_step"]
-        # the model adds the link's exposed time to the unshaped run's compute: never less than it,
-        # and more where nothing overlaps (AdamW-DDP's all-reduce; DeMo's all-gathers may hide
-        # behind its next bucket's encoding, whose measured length varies with the machine's load)
-        assert shaped["predicted_step_s"] >= unshaped["measured_step_s"]
-        if shaped["in_flight_s_per_step"] == 0:
-            assert shaped["predicted_step_s"] > unshaped["measured_step_s"]
+        # the model adds the link's exposed time to the unshaped run's compute: more than it where
+        # nothing overlaps (AdamW-DDP's all-reduce, waited for at once)
+        assert shaped["in_flight_s_per_step"] == 0
+        assert shaped["predicted_step_s"] > unshaped["measured_step_s"]
         assert shaped["comm_s_per_step"] > 0 and shaped["framing_bytes_per_message"] > 0
     table = (tmp_path / "summary.md").read_text()
-    assert "| 50Mbit | DeMo k=32 |" in table and "predicted" in table
+    assert "| 50Mbit | AdamW-DDP |" in table and "predicted" in table
     assert (tmp_path / "loss_vs_time_50Mbit.png").stat().st_size > 0
     assert (tmp_path / "step_time_measured_vs_predicted.png").stat().st_size > 0
 
@@ -65,6 +64,10 @@ def test_two_nodes_shape_each_veth_and_leave_the_loopbacks_alone(tmp_path):
     # the veths carry FlexDeMo's inter-node traffic only: far less than all it meters (the shard group's)
     assert 0 < shaped["kernel_MB_per_step"] < shaped["metered_tx_MB_per_step"] / 10
     assert shaped["framing_bytes_per_message"] > 0 and shaped["comm_s_per_step"] > 0
+    # the model adds the link's exposed time to the unshaped run's compute, never less than it (the
+    # DeMo family's all-gathers may hide behind its next bucket's encoding, whose measured length
+    # varies with the machine's load)
+    assert shaped["predicted_step_s"] >= unshaped["measured_step_s"]
     assert "2 nodes x 2 gloo workers" in (tmp_path / "summary.md").read_text()
 
 
