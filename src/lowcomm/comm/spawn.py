@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -104,8 +105,9 @@ def _entry(rank, world_size, port, fn, args, queue, threads, backend, caller):
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        if backend is not None:
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if backend is not None:  # at the caller's store (spawn_workers)
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself (Trainer.close)
             # a CUDA-only backend ("cuda:gloo") has no CPU barrier: a gloo group beside it does
@@ -133,7 +135,11 @@ def spawn_workers(
     ctx = mp.get_context("forkserver")  # Linux and macOS
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call's
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store is the caller's, on a port of the kernel's choosing, as the local
+    # launcher hosts its workers' (a port picked free here and bound later by rank 0 could be
+    # taken meanwhile: EADDRINUSE in a busy suite). The workers reach it as $MASTER_PORT too.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     caller = _Caller.now()
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, threads, backend, caller),

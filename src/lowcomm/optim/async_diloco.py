@@ -1,0 +1,123 @@
+"""Asynchronous DiLoCo: asynchronous Local-SGD with delayed Nesterov momentum and dynamic local
+updates (Liu et al. 2024, arXiv 2401.09135); the rules are :mod:`lowcomm.optim.synchronizer`'s,
+the transport :mod:`lowcomm.comm.hub`.
+
+Each learner starts from the global parameters it last pulled, ``theta_pulled``, runs ``H_w``
+inner steps, pushes its outer gradient ``g = theta_pulled - theta`` and waits for the reply:
+the synchronizer's global parameters once it has applied g, and the learner's next ``H_w``. The
+synchronizer applies each outer gradient as it arrives, whatever the global parameters have
+become since the learner pulled (no learner waits for another), with delayed Nesterov momentum
+(:class:`~lowcomm.optim.synchronizer.DelayedNesterov`, its period N the number of learners); it
+measures each learner's speed from the step times it reports and gives it
+``floor(v_w / max v * H)`` inner steps for its next round
+(:func:`~lowcomm.optim.synchronizer.dynamic_local_steps`), so that slow learners push as often as
+fast ones and their outer gradients are no staler.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lowcomm.optim.diloco import InnerOptimizer
+from lowcomm.optim.synchronizer import DelayedNesterov, dynamic_local_steps
+
+__all__ = ["AsyncLearner", "serve_async"]
+
+PUSH = "push"  # learner -> synchronizer: {kind, steps, step_s} + its outer gradient, tensor for tensor
+GLOBAL = "global"  # synchronizer -> learner: {kind, arrivals, local_steps} + the global parameters
+DONE = "done"
+
+
+class AsyncLearner(torch.optim.Optimizer):
+    """An asynchronous DiLoCo learner around any inner optimizer: after every ``local_steps``
+    inner steps (the synchronizer's word for this learner's next round; ``base_steps`` at first)
+    it pushes its outer gradient through ``link`` and continues from the global parameters of
+    the reply."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], inner: InnerOptimizer, link, *, base_steps: int,
+                 reply_timeout_s: float = 300.0):
+        params = list(params)
+        if base_steps < 1:
+            raise ValueError(f"H is >= 1, got {base_steps}")
+        super().__init__(params, dict(base_steps=base_steps))
+        self.inner = inner(params) if callable(inner) else inner
+        self.param_groups = self.inner.param_groups
+        self.params, self.link = params, link
+        self.local_steps, self.reply_timeout_s = base_steps, reply_timeout_s
+        with torch.no_grad():
+            self.pulled = [p.detach().clone() for p in params]
+        self.local_step = 0
+        self.steps_in_round = 0
+        self.rounds = 0
+        self._round_started = time.perf_counter()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = self.inner.step(closure)
+        self.local_step += 1
+        self.steps_in_round += 1
+        if self.steps_in_round < self.local_steps:
+            return loss
+        step_s = (time.perf_counter() - self._round_started) / self.steps_in_round
+        self.link.push({"kind": PUSH, "steps": self.steps_in_round, "step_s": step_s},
+                       [pulled - p.detach() for pulled, p in zip(self.pulled, self.params, strict=True)])
+        reply = self.link.wait_for(lambda m: m.header.get("kind") == GLOBAL, timeout_s=self.reply_timeout_s)
+        for param, pulled, value in zip(self.params, self.pulled, reply.tensors, strict=True):
+            param.copy_(value.to(param.dtype))
+            pulled.copy_(param)
+        self.local_steps = int(reply.header["local_steps"])
+        self.steps_in_round, self.rounds = 0, self.rounds + 1
+        self._round_started = time.perf_counter()
+        return loss
+
+    def finish(self) -> None:
+        self.link.push({"kind": DONE})
+        self.link.flush()
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "pulled": [p.clone() for p in self.pulled],
+                "local_step": self.local_step, "steps_in_round": self.steps_in_round,
+                "local_steps": self.local_steps, "rounds": self.rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.pulled = [p.clone() for p in state["pulled"]]
+        self.local_step, self.steps_in_round = int(state["local_step"]), int(state["steps_in_round"])
+        self.local_steps, self.rounds = int(state["local_steps"]), int(state["rounds"])
+
+
+def serve_async(hub, parameters: Sequence[torch.Tensor], rule: DelayedNesterov, *, learners: int, base_steps: int,
+                idle_timeout_s: float = 300.0) -> list[int]:
+    """Serve ``learners`` learners through ``hub`` until each has said it is done (or none has
+    said anything for ``idle_timeout_s``): apply each arriving outer gradient to ``parameters``
+    (the global ones, in place) by ``rule``, and answer its learner with them and its next number
+    of inner steps. Returns the learners in the order their outer gradients were applied."""
+    speeds: dict[int, float] = {}
+    done: set[int] = set()
+    order: list[int] = []
+    while len(done) < learners:
+        try:
+            learner, message = hub.next(timeout=idle_timeout_s)
+        except queue.Empty:
+            break
+        if message is None:
+            continue
+        kind = message.header.get("kind")
+        if kind == DONE:
+            done.add(learner)
+        elif kind == PUSH:
+            rule.apply(parameters, message.tensors)
+            order.append(learner)
+            step_s = float(message.header["step_s"])
+            if step_s > 0:
+                speeds[learner] = 1.0 / step_s
+            known = sorted(speeds)
+            steps = dict(zip(known, dynamic_local_steps([speeds[m] for m in known], base_steps), strict=True)) \
+                if known else {}
+            hub.send(learner, {"kind": GLOBAL, "arrivals": rule.arrivals, "local_steps": steps.get(learner, base_steps)},
+                     parameters)
+    return order
