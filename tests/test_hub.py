@@ -72,10 +72,19 @@ def test_learners_push_and_pull_and_the_bytes_balance():
                 assert hub.send(learner, message.header, [2 * message.tensors[0]])
                 answered += 1
 
-        server = threading.Thread(target=serve)
+        errors: list[BaseException] = []
+
+        def serving() -> None:
+            try:
+                serve()
+            except BaseException as error:  # noqa: BLE001 - the test's thread reports to the test
+                errors.append(error)
+
+        server = threading.Thread(target=serving)
         server.start()
         results = spawn_workers(_learner, learners, f"127.0.0.1:{hub.port}", rounds, backend=None)
         server.join(timeout=60)
+        assert not server.is_alive() and errors == []
     finally:
         hub.close()
     for rank, result in enumerate(results):

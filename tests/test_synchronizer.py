@@ -39,8 +39,9 @@ def test_the_radial_directional_average_keeps_the_mean_norm_along_the_mean_direc
     torch.testing.assert_close(radial_directional_average([a, c], [3, 1]), expected)
     # a zero outer gradient adds its share of the norm (0) and no direction
     torch.testing.assert_close(radial_directional_average([a, torch.zeros(2)], [1, 1]), torch.tensor([1.0, 0.0]))
-    # directions that cancel: the plain weighted mean
-    torch.testing.assert_close(radial_directional_average([a, -a], [1, 1]), torch.zeros(2))
+    # directions that cancel: the plain weighted mean, (a - 2a) / 2 (where the norms' mean, 3,
+    # along no direction would be noise)
+    torch.testing.assert_close(radial_directional_average([a, -2 * a], [1, 1]), -a / 2)
     with pytest.raises(ValueError, match="no learner contributed"):
         radial_directional_average([a, b], [0, 0])
 
@@ -110,3 +111,18 @@ def test_delayed_nesterov_with_a_period_of_one_is_nesterov_sgd():
         theta = theta - lr * (g + beta * momentum)
         rule.apply(ours, [g])
     torch.testing.assert_close(ours[0], theta)
+
+
+def test_the_grace_windows_step_time_is_the_slowest_learners_smoothed():
+    from lowcomm.optim.decoupled_diloco import SMOOTHING, Timings
+
+    timings = Timings()
+    timings.saw_step(0, 0.0)  # a first step (its start in it): not measured
+    assert timings.step_s == 0.0
+    timings.saw_step(0, 0.1)
+    timings.saw_step(1, 0.4)
+    timings.saw_step(0, 0.2)  # learner 0: 0.7 x 0.1 + 0.3 x 0.2 = 0.13
+    assert timings.steps_s[0] == pytest.approx((1 - SMOOTHING) * 0.1 + SMOOTHING * 0.2)
+    assert timings.step_s == 0.4  # the slowest learner's, whatever order the reports came in
+    timings.forget(1)  # it finished: the others' steps set the window
+    assert timings.step_s == pytest.approx(0.13)

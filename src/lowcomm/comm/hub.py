@@ -43,6 +43,9 @@ _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.
                                             torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 PUSH, PULL = "push", "pull"  # the meter's collectives: a learner's sends, and what it receives
 SYNC = "sync"  # the meter's purpose: the synchronizer's traffic, the method's exchange
+# A learner leaving (HubLink.leave) says DONE; the synchronizer answers BYE once nothing more is
+# owed to it, and sends it nothing after: every byte sent was then received, and metered.
+DONE, BYE = "done", "bye"
 
 
 class HubClosed(ConnectionError):
@@ -65,6 +68,9 @@ class Message:
 def frame(header: dict, tensors: Sequence[torch.Tensor]) -> list[bytes | memoryview]:
     """The bytes of one message, in the order they go on the wire."""
     tensors = [t.detach().contiguous().cpu() for t in tensors]
+    unknown = sorted({str(t.dtype) for t in tensors} - set(_DTYPES))
+    if unknown:
+        raise TypeError(f"the hub carries {', '.join(sorted(_DTYPES))}; not {', '.join(unknown)}")
     specs = [[str(t.dtype), list(t.shape)] for t in tensors]
     head = json.dumps({"header": header, "tensors": specs}, separators=(",", ":")).encode()
     data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"" for t in tensors]
@@ -110,32 +116,53 @@ def read_message(sock: socket.socket) -> Message:
 
 
 class _Connection:
-    """One socket: a thread receiving into ``inbox`` (``(Message, None)``, or ``(None, error)``
-    once when it closes) and sends serialised by a lock."""
+    """One socket, with a thread receiving into ``inbox`` (``(tag, Message, None)``, then
+    ``(tag, None, error)`` once when it closes) and a thread sending what :meth:`queue_send`
+    queues, so that no sender waits for a slow or stuck peer. Threads start with :meth:`start`."""
 
     def __init__(self, sock: socket.socket, inbox: queue.Queue, tag=None):
         self.sock, self.inbox, self.tag = sock, inbox, tag
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._send_lock = threading.Lock()
         self.closed = False
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"hub-read-{tag}")
-        self._reader.start()
+        self.send_error: BaseException | None = None
+        self.outbox: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._read, daemon=True, name=f"hub-read-{tag}"),
+                         threading.Thread(target=self._send, daemon=True, name=f"hub-send-{tag}")]
+
+    def start(self) -> _Connection:
+        for thread in self._threads:
+            thread.start()
+        return self
 
     def _read(self) -> None:
         try:
             while True:
                 self.inbox.put((self.tag, read_message(self.sock), None))
-        except (OSError, ValueError) as error:  # HubClosed is an OSError
+        except Exception as error:  # noqa: BLE001 - any end of the stream (a closed socket, a bad frame) ends it
             self.closed = True
             self.inbox.put((self.tag, None, error))
 
-    def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        with self._send_lock:
-            for part in parts:
-                self.sock.sendall(part)
+    def _send(self) -> None:
+        # every queued frame is marked done, sent or not, so that a join() never hangs on a dead peer
+        while True:
+            parts = self.outbox.get()
+            try:
+                if parts is None:
+                    return
+                if self.send_error is None:
+                    for part in parts:
+                        self.sock.sendall(part)
+            except OSError as error:
+                self.send_error = error
+            finally:
+                self.outbox.task_done()
+
+    def queue_send(self, parts: Sequence[bytes | memoryview]) -> None:
+        self.outbox.put(parts)
 
     def close(self) -> None:
         self.closed = True
+        self.outbox.put(None)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -172,12 +199,15 @@ class Hub:
             except (OSError, ValueError, KeyError, TypeError):
                 sock.close()
                 continue
+            connection = _Connection(sock, self._inbox, tag=learner)
             with self._lock:
                 old = self._connections.get(learner)
-                self._connections[learner] = _Connection(sock, self._inbox, tag=learner)
+                self._connections[learner] = connection
             if old is not None:  # a learner started again: its old connection is stale
                 old.close()
+            # its arrival before anything it sends (the reader starts after)
             self._inbox.put((learner, Message({"joined": learner}, [], hello.nbytes), None))
+            connection.start()
 
     def learners(self) -> list[int]:
         with self._lock:
@@ -198,22 +228,34 @@ class Hub:
             return learner, message
 
     def send(self, learner: int, header: dict, tensors: Sequence[torch.Tensor] = ()) -> bool:
-        """Send to ``learner``; False when it is not connected (a lost learner: nobody waits)."""
+        """Queue a message to ``learner`` (a thread of its connection sends it: a slow or stuck
+        learner holds up no other); False when it is not connected (a lost learner: nobody waits).
+        The tensors are copied now."""
         with self._lock:
             connection = self._connections.get(learner)
-        if connection is None or connection.closed:
+        if connection is None or connection.closed or connection.send_error is not None:
             return False
-        parts = frame(header, tensors)
-        try:
-            connection.send(parts)
-        except OSError:
-            return False
+        parts = frame(header, [t.detach().clone() for t in tensors])
         self.meter.record(PULL, payload_size(parts), frame_size(parts), 0, messages=1, purpose=SYNC)
+        connection.queue_send(parts)
         return True
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop taking learners; send what is queued (at most ``drain_s``: a BYE among it), then
+        close every connection."""
         self._closing = True
+        with self._lock:
+            connections = list(self._connections.values())
+        deadline = time.monotonic() + drain_s
+        while any(c.outbox.unfinished_tasks and c.send_error is None and not c.closed for c in connections) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:  # wakes the acceptor (closing alone does not, on Linux)
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._server.close()
+        self._acceptor.join(timeout=5)
         with self._lock:
             connections = list(self._connections.values())
         for connection in connections:
@@ -242,39 +284,26 @@ class HubLink:
         sock.sendall(b"".join(bytes(p) for p in hello))
         self.meter.record(PUSH, 0, frame_size(hello), 0, messages=1, purpose=SYNC)
         self._inbox: queue.Queue = queue.Queue()
-        self._connection = _Connection(sock, self._inbox, tag=learner)
-        self._outbox: queue.Queue = queue.Queue()
-        self._send_error: BaseException | None = None
-        self._sender = threading.Thread(target=self._send, daemon=True, name="hub-send")
-        self._sender.start()
+        self._connection = _Connection(sock, self._inbox, tag=learner).start()
         self._kept: list[Message] = []
-
-    def _send(self) -> None:
-        while (parts := self._outbox.get()) is not None:
-            try:
-                self._connection.send(parts)
-            except OSError as error:
-                self._send_error = error
-                return
-            finally:
-                self._outbox.task_done()
 
     def push(self, header: dict, tensors: Sequence[torch.Tensor] = ()) -> int:
         """Queue a message to the synchronizer; returns its frame's size (the tensors are copied
         now: the caller may go on changing its own)."""
-        if self._send_error is not None or self._connection.closed:
-            raise HubClosed(f"the synchronizer is gone ({self._send_error or 'connection closed'})")
+        error = self._connection.send_error
+        if error is not None or self._connection.closed:
+            raise HubClosed(f"the synchronizer is gone ({error or 'connection closed'})")
         parts = frame(header, [t.detach().clone() for t in tensors])
         size = frame_size(parts)
         self.meter.record(PUSH, payload_size(parts), size, 0, messages=1, purpose=SYNC)
-        self._outbox.put(parts)
+        self._connection.queue_send(parts)
         return size
 
     def flush(self) -> None:
         """Until every queued push is on the wire (before a checkpoint: nothing in flight)."""
-        self._outbox.join()
-        if self._send_error is not None:
-            raise HubClosed(f"the synchronizer is gone ({self._send_error})")
+        self._connection.outbox.join()
+        if self._connection.send_error is not None:
+            raise HubClosed(f"the synchronizer is gone ({self._connection.send_error})")
 
     def _drain(self, block: bool, timeout: float | None) -> None:
         try:
@@ -310,6 +339,23 @@ class HubLink:
                 raise TimeoutError(f"no message from the synchronizer within {timeout_s:.0f} s")
             self._drain(block=True, timeout=left)
 
+    def leave(self, timeout_s: float = 300.0) -> list[Message]:
+        """Say DONE and wait for the synchronizer's BYE (what it still owed this learner comes
+        before it), then close; returns the messages that came meanwhile."""
+        self.push({"kind": DONE})
+        self.wait_for(lambda m: m.header.get("kind") == BYE, timeout_s=timeout_s)
+        came, self._kept = self._kept, []
+        self.close()
+        return came
+
     def close(self) -> None:
-        self._outbox.put(None)
+        """Leave without a word (a lost learner's way). What arrived and was never taken is
+        metered now: it crossed the wire."""
         self._connection.close()
+        while True:
+            try:
+                _, message, _ = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message is not None:
+                self.meter.record(PULL, 0, 0, message.nbytes, purpose=SYNC)

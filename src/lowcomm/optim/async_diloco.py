@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lowcomm.comm.hub import BYE, DONE
 from lowcomm.optim.diloco import InnerOptimizer
 from lowcomm.optim.synchronizer import DelayedNesterov, dynamic_local_steps
 
@@ -29,7 +30,7 @@ __all__ = ["AsyncLearner", "serve_async"]
 
 PUSH = "push"  # learner -> synchronizer: {kind, steps, step_s} + its outer gradient, tensor for tensor
 GLOBAL = "global"  # synchronizer -> learner: {kind, arrivals, local_steps} + the global parameters
-DONE = "done"
+# (a learner leaving says hub.DONE and is answered hub.BYE: lowcomm.comm.hub)
 
 
 class AsyncLearner(torch.optim.Optimizer):
@@ -75,8 +76,8 @@ class AsyncLearner(torch.optim.Optimizer):
         return loss
 
     def finish(self) -> None:
-        self.link.push({"kind": DONE})
-        self.link.flush()
+        """Leave the synchronizer (:meth:`~lowcomm.comm.hub.HubLink.leave`)."""
+        self.link.leave(timeout_s=self.reply_timeout_s)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "pulled": [p.clone() for p in self.pulled],
@@ -104,11 +105,14 @@ def serve_async(hub, parameters: Sequence[torch.Tensor], rule: DelayedNesterov, 
             learner, message = hub.next(timeout=idle_timeout_s)
         except queue.Empty:
             break
-        if message is None:
+        if message is None:  # lost: its speed no longer sets the others' steps
+            speeds.pop(learner, None)
             continue
         kind = message.header.get("kind")
         if kind == DONE:
             done.add(learner)
+            speeds.pop(learner, None)  # dynamic local updates are relative to the learners still training
+            hub.send(learner, {"kind": BYE})
         elif kind == PUSH:
             rule.apply(parameters, message.tensors)
             order.append(learner)

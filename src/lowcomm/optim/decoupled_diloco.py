@@ -7,7 +7,8 @@ A learner sends fragment p after each of its inner steps t with ``t % H == t_p``
 Streaming DiLoCo, ``t_p = p H // P``): its parameters of the fragment, the tokens and inner steps
 it trained since it last received the fragment. The synchronizer keeps, per fragment, the latest
 such offer of each learner since the fragment's last merge; once ``quorum`` learners have offered
-(0: every connected learner), it waits at most the grace window for the others, then merges:
+(0: every learner still training, a lost one included: a barrier), it waits at most the grace
+window for the others, then merges:
 
     v_m = Theta_p - theta_{m,p}                                    # learner m's outer gradient
     Delta_p = RDA_m(v_m; w_m)  per tensor (the embeddings: the weighted mean), w_m = tokens^2 / steps
@@ -24,10 +25,11 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from lowcomm.comm.hub import BYE, DONE
 from lowcomm.optim.args import raise_argument_errors
 from lowcomm.optim.diloco import InnerOptimizer, outer_direction_
 from lowcomm.optim.streaming_diloco import fragment_errors, fragment_offsets
@@ -49,7 +51,6 @@ class Offer:
     tensors: list[torch.Tensor]
     tokens: int
     steps: int
-    at: float  # when it arrived (time.monotonic)
 
     @property
     def weight(self) -> float:
@@ -83,16 +84,14 @@ class FragmentSynchronizer:
         self.contributors: list[list[int]] = []  # per merge, in order: (fragment, learners...)
 
     # ---------------------------------------------------------------- offers and the quorum
-    def offer(self, learner: int, fragment: int, tensors: Sequence[torch.Tensor], tokens: int, steps: int,
-              at: float | None = None) -> None:
+    def offer(self, learner: int, fragment: int, tensors: Sequence[torch.Tensor], tokens: int, steps: int) -> None:
         """Learner ``learner``'s fragment; a later offer of the same learner before the merge
         replaces its earlier one (its counters ran on: it covers what the earlier covered)."""
         expected = [self.parameters[i].shape for i in self.fragments[fragment]]
         if [t.shape for t in tensors] != expected:
             raise ValueError(f"learner {learner}'s fragment {fragment} has shapes {[tuple(t.shape) for t in tensors]}, "
                              f"the synchronizer's {[tuple(s) for s in expected]}")
-        self.offers[fragment][learner] = Offer([t.detach().float() for t in tensors], int(tokens), int(steps),
-                                               time.monotonic() if at is None else at)
+        self.offers[fragment][learner] = Offer([t.detach().float() for t in tensors], int(tokens), int(steps))
 
     def needed(self, training: int) -> int:
         """Offers a merge needs while ``training`` learners have not finished (a learner that
@@ -138,32 +137,47 @@ class FragmentSynchronizer:
         self.momentum = [None if m is None else m.clone() for m in state["momentum"]]
         self.versions = list(state["versions"])
         self.contributors = [list(c) for c in state["contributors"]]
-        self.offers = [{} for _ in self.fragments]  # an offer in flight at a checkpoint is sent again
+        # offers wait for no checkpoint: one not merged when the state was saved is lost with it,
+        # and its learner's counters run on into its next offer
+        self.offers = [{} for _ in self.fragments]
 
 
 # ---------------------------------------------------------------------------- the serving loop
 # The messages between learners and the synchronizer (headers of hub messages):
 OFFER = "offer"  # learner -> synchronizer: {kind, fragment, tokens, steps, step_s} + the fragment's tensors
 GLOBAL = "global"  # synchronizer -> learner: {kind, fragment, version} + the global fragment's tensors
-DONE = "done"  # learner -> synchronizer: it has finished training
+# (a learner leaving says hub.DONE and is answered hub.BYE: lowcomm.comm.hub)
 
-# How much of a new measurement the smoothed step and sync times take
+# How much of a new measurement a smoothed time takes
 SMOOTHING = 0.3
+
+
+def _smoothed(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 @dataclass
 class Timings:
-    """What the grace window is computed from: the learners' step time (the slowest reported,
-    smoothed) and the synchronizer's own time to merge and send a fragment (smoothed)."""
+    """What the grace window is computed from: each learner's step time as it reports it
+    (smoothed per learner; the window takes the slowest learner's) and the synchronizer's own
+    time to merge and send a fragment (smoothed)."""
 
-    step_s: float = 0.0
+    steps_s: dict[int, float] = field(default_factory=dict)
     sync_s: float = 0.0
 
-    def saw_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s == 0 else max(seconds, (1 - SMOOTHING) * self.step_s + SMOOTHING * seconds)
+    @property
+    def step_s(self) -> float:
+        return max(self.steps_s.values(), default=0.0)
+
+    def saw_step(self, learner: int, seconds: float) -> None:
+        if seconds > 0:  # 0: not measured (a learner's first step holds its start)
+            self.steps_s[learner] = _smoothed(self.steps_s.get(learner), seconds)
+
+    def forget(self, learner: int) -> None:
+        self.steps_s.pop(learner, None)
 
     def saw_sync(self, seconds: float) -> None:
-        self.sync_s = seconds if self.sync_s == 0 else (1 - SMOOTHING) * self.sync_s + SMOOTHING * seconds
+        self.sync_s = _smoothed(self.sync_s or None, seconds)
 
 
 def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_steps: int, gamma: float,
@@ -175,7 +189,7 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
     version)``: called after each merge (a checkpoint, a log line)."""
     timings = Timings()
     done: set[int] = set()
-    finishing: set[int] = set()  # done, with an offer still to merge: counted until it is merged
+    finishing: set[int] = set()  # said DONE, with an offer still to merge: counted until it is merged
     round_started: dict[int, float] = {}  # fragment -> its round's first offer
     deadline: dict[int, float] = {}  # fragment -> when its grace window closes
     last_message = time.monotonic()
@@ -189,18 +203,28 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
             message = None
             if time.monotonic() - last_message > idle_timeout_s:
                 break
-        if message is not None and message.header.get("kind") == OFFER:
+        kind = None if message is None else message.header.get("kind", "joined" if "joined" in message.header else None)
+        if kind == "joined":
+            # a learner (re)starting takes the global fragments merged so far before it offers:
+            # its outer gradient is then against them, not against what it started from
+            for fragment, version in enumerate(synchronizer.versions):
+                if version:
+                    hub.send(learner, {"kind": GLOBAL, "fragment": fragment, "version": version},
+                             [synchronizer.parameters[i] for i in synchronizer.fragments[fragment]])
+        elif kind == OFFER:
             header = message.header
             fragment = int(header["fragment"])
             synchronizer.offer(learner, fragment, message.tensors, header["tokens"], header["steps"])
             round_started.setdefault(fragment, time.monotonic())
-            timings.saw_step(float(header.get("step_s", 0.0)))
-        elif message is not None and message.header.get("kind") == DONE:
+            timings.saw_step(learner, float(header.get("step_s", 0.0)))
+        elif kind == DONE:
             finishing.add(learner)
         for m in list(finishing):
             if not any(m in offers for offers in synchronizer.offers):
                 finishing.discard(m)
                 done.add(m)
+                timings.forget(m)
+                hub.send(m, {"kind": BYE})  # nothing is sent to it after this
         connected = [m for m in hub.learners() if m not in done]
         for fragment in range(len(synchronizer.fragments)):
             if not synchronizer.offers[fragment] or not synchronizer.quorum_met(fragment, learners - len(done)):
@@ -213,7 +237,7 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
             if now < deadline[fragment] and not synchronizer.everyone_offered(fragment, connected):
                 continue
             version, tensors = synchronizer.merge(fragment)
-            for m in hub.learners():
+            for m in connected:
                 hub.send(m, {"kind": GLOBAL, "fragment": fragment, "version": version}, tensors)
             timings.saw_sync(time.monotonic() - now)
             del deadline[fragment], round_started[fragment]
@@ -257,13 +281,16 @@ class DecoupledLearner(torch.optim.Optimizer):
         # fragment -> (the step its next version is waited for at, the version held at its offer)
         self._awaited: dict[int, tuple[int, int]] = {}
         self._held: list = []  # versions of waited-for fragments that arrived before their step
-        self._step_started = time.perf_counter()
+        self._step_started: float | None = None  # (the first step's time holds the start: not reported)
+        self._waited_s = 0.0
 
     def step(self, closure: Callable[[], float] | None = None):
         loss = self.inner.step(closure)
         self.local_step += 1
         now = time.perf_counter()
-        step_s, self._step_started = now - self._step_started, now
+        # the step's own time, without the waits for merges (the synchronizer's, not the step's)
+        step_s = 0.0 if self._step_started is None else now - self._step_started - self._waited_s
+        self._step_started, self._waited_s = now, 0.0
         for fragment in range(len(self.fragments)):
             self.steps_since[fragment] += 1
             self.tokens_since[fragment] += self.tokens_per_step
@@ -288,9 +315,11 @@ class DecoupledLearner(torch.optim.Optimizer):
             if due > self.local_step:
                 continue
             if self.versions[fragment] <= offered_at:
+                waited = time.perf_counter()
                 arrived = self.link.wait_for(
                     lambda m, f=fragment, v=offered_at: m.header.get("kind") == GLOBAL and m.header["fragment"] == f
                     and m.header["version"] > v, timeout_s=self.wait_timeout_s)
+                self._waited_s += time.perf_counter() - waited
                 self._take(arrived)
             del self._awaited[fragment]
         return loss
@@ -307,9 +336,11 @@ class DecoupledLearner(torch.optim.Optimizer):
         self.steps_since[fragment] = self.tokens_since[fragment] = 0
 
     def finish(self) -> None:
-        """Say to the synchronizer that this learner is done, once its offers are on the wire."""
-        self.link.push({"kind": DONE})
-        self.link.flush()
+        """Leave the synchronizer (:meth:`~lowcomm.comm.hub.HubLink.leave`): the merges of its
+        last offers still come to it, and are taken."""
+        held, self._held = self._held, []  # versions that came before the step they were due at
+        for message in [*held, *self.link.leave(timeout_s=self.wait_timeout_s)]:
+            self._take(message)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "versions": list(self.versions),

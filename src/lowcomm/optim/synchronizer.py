@@ -82,8 +82,9 @@ def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -
     return out
 
 
-# A mean direction shorter than this (of unit vectors) counts as none: the outer gradients cancel.
-DEGENERATE_DIRECTION = 1e-12
+# A mean direction shorter than this (a weighted mean of unit vectors, in float32, whose rounding
+# leaves ~1e-8 of directions that cancel) counts as none: the outer gradients cancel.
+DEGENERATE_DIRECTION = 1e-6
 
 
 def radial_directional_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -144,6 +145,7 @@ def dynamic_local_steps(speeds: Sequence[float], base_steps: int) -> list[int]:
     if not speeds or any(not math.isfinite(v) or v <= 0 for v in speeds):
         raise ValueError(f"speeds are > 0 steps per second, got {list(speeds)}")
     fastest = max(speeds)
+    # (+1e-9: a speed ratio meant as exactly k / H must not floor to k - 1 by its rounding)
     return [max(1, math.floor(v / fastest * base_steps + 1e-9)) for v in speeds]
 
 
