@@ -245,3 +245,45 @@ def test_two_learner_processes_train_against_a_synchronizer_process_and_the_byte
         assert ours["losses"] == theirs["losses"]
     for ours, theirs in zip(synchronizer["global"], synchronizer_again["global"], strict=True):
         assert torch.equal(ours, theirs)
+
+
+def _learner_in_the_window(rank: int, world: int, address: str, go: str) -> list[tuple[int, list[float]]]:  # noqa: ARG001
+    """Connect; once told to go, rank 0 offers at once and rank 1 0.3 s later, both reporting
+    3 s steps; take the merge; leave."""
+    link = HubLink(address, learner=rank, meter=CommMeter())
+    while not Path(go).exists():
+        time.sleep(0.01)
+    time.sleep(0.3 * rank)
+    mine = torch.tensor([-2.0, 0.0]) if rank == 0 else torch.tensor([0.0, -2.0])
+    link.push({"kind": OFFER, "fragment": 0, "tokens": 100, "steps": 1 if rank == 0 else 4, "step_s": 3.0}, [mine])
+    message = link.wait_for(lambda m: m.header.get("kind") == GLOBAL, timeout_s=60)
+    link.leave(timeout_s=60)
+    return [(message.header["version"], message.tensors[0].tolist())]
+
+
+def test_a_quorum_of_one_waits_the_grace_window_for_a_learner_a_little_late(tmp_path):
+    """The grace window after the quorum: gamma x (tau x step - quorum wait - sync), here
+    0.5 x (2 x 3 s - ~0) = ~3 s, takes learner 1's offer 0.3 s after learner 0's into the same
+    merge (with gamma 0 it would be the next one: the test above)."""
+    sync = FragmentSynchronizer([torch.zeros(2)], [[0]], outer_lr=LR, outer_momentum=MU, quorum=1)
+    hub = Hub("127.0.0.1")
+    server = threading.Thread(target=serve, args=(hub, sync),
+                              kwargs=dict(learners=2, overlap_steps=2, gamma=0.5, idle_timeout_s=60))
+    server.start()
+    go = tmp_path / "go"
+    try:
+        def release() -> None:  # once both are connected: their offers' order is then the test's
+            while hub.learners() != [0, 1]:
+                time.sleep(0.01)
+            go.touch()
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        received = spawn_workers(_learner_in_the_window, 2, f"127.0.0.1:{hub.port}", str(go), backend=None)
+        server.join(timeout=60)
+        releaser.join(timeout=5)
+    finally:
+        hub.close()
+    assert sync.contributors == [[0, 0, 1]]  # one merge, both learners in it
+    expected = (-LR * (1 + MU) * torch.tensor([0.8, 0.2]) / math.sqrt(0.68) * 2).tolist()
+    assert received == [[(1, pytest.approx(expected))]] * 2
