@@ -15,11 +15,12 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.ft import LIGHTHOUSE_ENV
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep
-from lowcomm.launch.local import prepare_run_dir, replica_lighthouse
+from lowcomm.launch.local import prepare_run_dir, replica_lighthouse, start_synchronizer
 from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
@@ -62,6 +63,7 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
     if RunDir(run.run_dir).read_summary() is not None:
         return run.run_dir
     config_path = prepare_run_dir(run)
+    synchronizer = start_synchronizer(run, config_path)  # (a method of learners: its synchronizer first)
     lighthouse = replica_lighthouse(run)
     if lighthouse is not None and run.cluster.ranks_per_group != 1:
         lighthouse.shutdown()
@@ -71,11 +73,16 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
         with pytest.MonkeyPatch.context() as env:  # spawn_workers hands its caller's environment on
             if lighthouse is not None:
                 env.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+            if synchronizer is not None:
+                env.setenv(SYNCHRONIZER_ENV, synchronizer.address)
+            # groups and learners: no world-wide group
             spawn_workers(_train_rank, run.world_size, str(config_path), timeout_s=timeout_s,
-                          backend=None if lighthouse is not None else "gloo")  # groups: no world-wide group
+                          backend=None if lighthouse is not None or synchronizer is not None else "gloo")
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
+        if synchronizer is not None:
+            assert synchronizer.stop() == 0, f"the synchronizer of {run.run_dir} failed"
     return run.run_dir
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowcomm.comm.hub import Hub, HubLink
+from lowcomm.comm.hub import SYNC, Hub, HubLink
 from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.optim.decoupled_diloco import GLOBAL, OFFER, FragmentSynchronizer, serve
@@ -181,7 +181,7 @@ def _process(rank: int, world: int, rendezvous: str) -> dict:
         hub.close()
         return {"contributors": sync.contributors, "versions": sync.versions,
                 "global": [p.clone() for p in sync.parameters], "breakdown": hub.meter.breakdown(),
-                **{kind: hub.meter.cumulative_bytes(kind, purpose="sync") for kind in ("payload", "tx", "rx")}}
+                **{kind: hub.meter.cumulative_bytes(kind, purpose=SYNC) for kind in ("payload", "tx", "rx")}}
     meter = CommMeter()
     while not (Path(rendezvous) / "port").is_file():
         time.sleep(0.01)
@@ -202,7 +202,7 @@ def _process(rank: int, world: int, rendezvous: str) -> dict:
         losses.append(loss.item())
     learner.finish()
     return {"losses": losses, "versions": learner.versions, "params": [p.detach().clone() for p in params],
-            **{kind: meter.cumulative_bytes(kind, purpose="sync") for kind in ("payload", "tx", "rx")}}
+            **{kind: meter.cumulative_bytes(kind, purpose=SYNC) for kind in ("payload", "tx", "rx")}}
 
 
 def test_two_learner_processes_train_against_a_synchronizer_process_and_the_bytes_balance(tmp_path):

@@ -42,7 +42,15 @@ _PREFIX = struct.Struct("!IQ")
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                             torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 PUSH, PULL = "push", "pull"  # the meter's collectives: a learner's sends, and what it receives
-SYNC = "sync"  # the meter's purpose: the synchronizer's traffic, the method's exchange
+SYNC = "data"  # the meter's purpose of the synchronizer's traffic: the method's exchange, as a collective's
+# A frame without tensors (a hello, DONE, BYE) is the protocol's own: metered as control, as the
+# harness's other handshakes are, so that a learner's data bytes per step do not depend on when it
+# (re)connected
+CONTROL = "control"
+
+
+def purpose_of(tensor_bytes: int) -> str:
+    return SYNC if tensor_bytes else CONTROL
 # A learner leaving (HubLink.leave) says DONE; the synchronizer answers BYE once nothing more is
 # owed to it, and sends it nothing after: every byte sent was then received, and metered.
 DONE, BYE = "done", "bye"
@@ -75,6 +83,13 @@ def frame(header: dict, tensors: Sequence[torch.Tensor]) -> list[bytes | memoryv
     head = json.dumps({"header": header, "tensors": specs}, separators=(",", ":")).encode()
     data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"" for t in tensors]
     return [_PREFIX.pack(len(head), sum(len(d) for d in data)), head, *data]
+
+
+def frame_overhead(header: dict, tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes a frame of ``tensors`` under ``header`` carries beside the tensors' own (its
+    prefix and JSON head), from their dtypes and shapes alone (meta tensors do)."""
+    specs = [[str(t.dtype), list(t.shape)] for t in tensors]
+    return _PREFIX.size + len(json.dumps({"header": header, "tensors": specs}, separators=(",", ":")).encode())
 
 
 def frame_size(parts: Sequence[bytes | memoryview]) -> int:
@@ -224,7 +239,7 @@ class Hub:
             if stale:  # the error of a connection a newer one of the same learner replaced
                 continue
             if message is not None:  # (a learner's hello too: its frame crossed the wire)
-                self.meter.record(PUSH, message.payload, 0, message.nbytes, purpose=SYNC)
+                self.meter.record(PUSH, message.payload, 0, message.nbytes, purpose=purpose_of(message.payload))
             return learner, message
 
     def send(self, learner: int, header: dict, tensors: Sequence[torch.Tensor] = ()) -> bool:
@@ -236,7 +251,8 @@ class Hub:
         if connection is None or connection.closed or connection.send_error is not None:
             return False
         parts = frame(header, [t.detach().clone() for t in tensors])
-        self.meter.record(PULL, payload_size(parts), frame_size(parts), 0, messages=1, purpose=SYNC)
+        payload = payload_size(parts)
+        self.meter.record(PULL, payload, frame_size(parts), 0, messages=1, purpose=purpose_of(payload))
         connection.queue_send(parts)
         return True
 
@@ -282,7 +298,7 @@ class HubLink:
         sock.settimeout(None)
         hello = frame({"learner": learner}, [])
         sock.sendall(b"".join(bytes(p) for p in hello))
-        self.meter.record(PUSH, 0, frame_size(hello), 0, messages=1, purpose=SYNC)
+        self.meter.record(PUSH, 0, frame_size(hello), 0, messages=1, purpose=CONTROL)
         self._inbox: queue.Queue = queue.Queue()
         self._connection = _Connection(sock, self._inbox, tag=learner).start()
         self._kept: list[Message] = []
@@ -294,8 +310,8 @@ class HubLink:
         if error is not None or self._connection.closed:
             raise HubClosed(f"the synchronizer is gone ({error or 'connection closed'})")
         parts = frame(header, [t.detach().clone() for t in tensors])
-        size = frame_size(parts)
-        self.meter.record(PUSH, payload_size(parts), size, 0, messages=1, purpose=SYNC)
+        size, payload = frame_size(parts), payload_size(parts)
+        self.meter.record(PUSH, payload, size, 0, messages=1, purpose=purpose_of(payload))
         self._connection.queue_send(parts)
         return size
 
@@ -313,7 +329,7 @@ class HubLink:
         while True:
             if message is None:
                 raise HubClosed(f"the synchronizer is gone ({error})")
-            self.meter.record(PULL, 0, 0, message.nbytes, purpose=SYNC)
+            self.meter.record(PULL, 0, 0, message.nbytes, purpose=purpose_of(message.payload))
             self._kept.append(message)
             try:
                 _, message, error = self._inbox.get_nowait()
@@ -358,4 +374,4 @@ class HubLink:
             except queue.Empty:
                 return
             if message is not None:
-                self.meter.record(PULL, 0, 0, message.nbytes, purpose=SYNC)
+                self.meter.record(PULL, 0, 0, message.nbytes, purpose=purpose_of(message.payload))

@@ -41,6 +41,8 @@ from lowcomm.train.checkpoint import TRAINER_FILE, layout_refusal
 from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
+from lowcomm.train.synchronizer import RECORD as SYNCHRONIZER_RECORD
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV, uses_synchronizer
 from lowcomm.train.worker import EXIT_BAD_INPUT, LAUNCHED_LOCALLY, words_file
 
 
@@ -238,6 +240,7 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
     world = run.cluster.workers
     store = rendezvous_store(world, run.cluster.collective_timeout_s)
     lighthouse = replica_lighthouse(run)
+    synchronizer = start_synchronizer(run, config_path)
     # replica groups of several ranks meet in process groups of their own, each at its own store
     # (a new one when a group starts again: a store keeps the keys of the group that used it)
     ranks = run.cluster.ranks_per_group if lighthouse is not None else 1
@@ -253,7 +256,8 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
         base_env = {**os.environ, **(extra_env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                     USE_LAUNCHER_STORE: "True", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                     LAUNCHED_LOCALLY: words_dir,
-                    **({LIGHTHOUSE_ENV: lighthouse.address()} if lighthouse is not None else {})}
+                    **({LIGHTHOUSE_ENV: lighthouse.address()} if lighthouse is not None else {}),
+                    **({SYNCHRONIZER_ENV: synchronizer.address} if synchronizer is not None else {})}
 
         def start(rank: int) -> subprocess.Popen:
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -284,7 +288,54 @@ def _launch(run: RunConfig, extra_env: dict[str, str] | None) -> Path:
             group_stores.clear()
             if lighthouse is not None:
                 lighthouse.shutdown()
+            if synchronizer is not None:
+                synchronizer.stop()
     return run.run_dir
+
+
+class SynchronizerHandle:
+    """The synchronizer process of a launch (:mod:`lowcomm.train.synchronizer`) and its address."""
+
+    def __init__(self, process: subprocess.Popen, address: str):
+        self.process, self.address = process, address
+
+    def stop(self, wait_s: float = 60.0) -> int | None:
+        """Once the learners have ended: the synchronizer ends by itself when each has said it is
+        done (or, lost, after its idle timeout); stopped after ``wait_s``. Its exit status."""
+        try:
+            return self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+            try:
+                return self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                return self.process.wait()
+
+
+def start_synchronizer(run: RunConfig, config_path: Path, *, wait_s: float = 120.0) -> SynchronizerHandle | None:
+    """Where the run's workers are learners around a synchronizer, start it (a process of its
+    own, before them) and wait for its address in the run's record; None otherwise."""
+    if not uses_synchronizer(run):
+        return None
+    record = Path(run.run_dir) / SYNCHRONIZER_RECORD
+    record.unlink(missing_ok=True)  # an earlier launch's
+    process = subprocess.Popen([sys.executable, "-m", "lowcomm.train.synchronizer", str(config_path)],
+                               preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the synchronizer of {run.run_dir} exited with status {process.returncode} before "
+                               "serving (its words are above)")
+        try:
+            address = json.loads(record.read_text())["address"]
+            print(f"[lowcomm] {run.world_size} learners around a synchronizer at {address} (pid {process.pid}); "
+                  f"its state is saved under {Path(run.run_dir) / 'synchronizer'}", flush=True)
+            return SynchronizerHandle(process, address)
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"the synchronizer of {run.run_dir} wrote no address to {record} within {wait_s:.0f} s")
 
 
 def replica_lighthouse(run: RunConfig, host: str | None = None, **record):

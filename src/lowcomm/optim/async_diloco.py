@@ -19,16 +19,46 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from lowcomm.comm.hub import BYE, DONE
+from lowcomm.optim.args import Args
 from lowcomm.optim.diloco import InnerOptimizer
-from lowcomm.optim.synchronizer import DelayedNesterov, dynamic_local_steps
+from lowcomm.optim.synchronizer import DelayedNesterov, dynamic_local_steps, seconds_field
 
-__all__ = ["AsyncLearner", "serve_async"]
+__all__ = ["AsyncDiLoCoArgs", "AsyncLearner", "serve_async"]
 
-PUSH = "push"  # learner -> synchronizer: {kind, steps, step_s} + its outer gradient, tensor for tensor
+
+@dataclass(kw_only=True)
+class AsyncDiLoCoArgs(Args):
+    """Asynchronous DiLoCo's arguments; defaults in ``configs/optimizer/async_diloco.yaml``.
+
+    sync_every: H, a learner's inner steps per round (the fastest learner's, under dynamic local updates).
+    dynamic_local_steps: whether the synchronizer gives each learner ``floor(v / max v * H)`` steps.
+    outer_lr, outer_momentum: delayed Nesterov's (its period N: the number of learners).
+    """
+
+    config_name: ClassVar[str] = "async_diloco"
+
+    sync_every: int
+    dynamic_local_steps: bool
+    outer_lr: float
+    outer_momentum: float
+
+    def errors(self) -> list[str]:
+        errors = super().errors()
+        if self.sync_every < 1:
+            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
+        if not self.outer_lr > 0:
+            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        return errors
+
+PUSH = "push"  # learner -> synchronizer: {kind, steps, step, step_s} + its outer gradient, tensor for tensor
 GLOBAL = "global"  # synchronizer -> learner: {kind, arrivals, local_steps} + the global parameters
 # (a learner leaving says hub.DONE and is answered hub.BYE: lowcomm.comm.hub)
 
@@ -64,7 +94,8 @@ class AsyncLearner(torch.optim.Optimizer):
         if self.steps_in_round < self.local_steps:
             return loss
         step_s = (time.perf_counter() - self._round_started) / self.steps_in_round
-        self.link.push({"kind": PUSH, "steps": self.steps_in_round, "step_s": step_s},
+        self.link.push({"kind": PUSH, "steps": self.steps_in_round, "step": self.local_step,
+                        "step_s": seconds_field(step_s)},
                        [pulled - p.detach() for pulled, p in zip(self.pulled, self.params, strict=True)])
         reply = self.link.wait_for(lambda m: m.header.get("kind") == GLOBAL, timeout_s=self.reply_timeout_s)
         for param, pulled, value in zip(self.params, self.pulled, reply.tensors, strict=True):
@@ -92,11 +123,13 @@ class AsyncLearner(torch.optim.Optimizer):
 
 
 def serve_async(hub, parameters: Sequence[torch.Tensor], rule: DelayedNesterov, *, learners: int, base_steps: int,
-                idle_timeout_s: float = 300.0) -> list[int]:
+                dynamic: bool = True, idle_timeout_s: float = 300.0, before_apply=None) -> list[int]:
     """Serve ``learners`` learners through ``hub`` until each has said it is done (or none has
     said anything for ``idle_timeout_s``): apply each arriving outer gradient to ``parameters``
     (the global ones, in place) by ``rule``, and answer its learner with them and its next number
-    of inner steps. Returns the learners in the order their outer gradients were applied."""
+    of inner steps (``dynamic``: by its speed, else H). ``before_apply(step)``: called before each
+    outer gradient is applied with the learner's inner step it was pushed after. Returns the
+    learners in the order their outer gradients were applied."""
     speeds: dict[int, float] = {}
     done: set[int] = set()
     order: list[int] = []
@@ -114,10 +147,12 @@ def serve_async(hub, parameters: Sequence[torch.Tensor], rule: DelayedNesterov, 
             speeds.pop(learner, None)  # dynamic local updates are relative to the learners still training
             hub.send(learner, {"kind": BYE})
         elif kind == PUSH:
+            if before_apply is not None:
+                before_apply(int(message.header.get("step", 0)))
             rule.apply(parameters, message.tensors)
             order.append(learner)
             step_s = float(message.header["step_s"])
-            if step_s > 0:
+            if step_s > 0 and dynamic:
                 speeds[learner] = 1.0 / step_s
             known = sorted(speeds)
             steps = dict(zip(known, dynamic_local_steps([speeds[m] for m in known], base_steps), strict=True)) \

@@ -26,21 +26,63 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from lowcomm.comm.hub import BYE, DONE
-from lowcomm.optim.args import raise_argument_errors
+from lowcomm.optim.args import Args, raise_argument_errors
 from lowcomm.optim.diloco import InnerOptimizer, outer_direction_
 from lowcomm.optim.streaming_diloco import fragment_errors, fragment_offsets
 from lowcomm.optim.synchronizer import (
     grace_window_s,
     radial_directional_average,
+    seconds_field,
     token_weight,
     weighted_average,
 )
 
-__all__ = ["DecoupledLearner", "FragmentSynchronizer", "Offer"]
+__all__ = ["DecoupledDiLoCoArgs", "DecoupledLearner", "FragmentSynchronizer", "Offer"]
+
+
+@dataclass(kw_only=True)
+class DecoupledDiLoCoArgs(Args):
+    """Decoupled DiLoCo's arguments; defaults in ``configs/optimizer/decoupled_diloco.yaml``.
+
+    sync_every: H, the period of each fragment's offers (fragment p after steps t % H == t_p).
+    num_fragments: P, fragments of balanced size (:func:`~lowcomm.optim.synchronizer.balanced_fragments`).
+    overlap: tau, inner steps a learner trains on before it waits for a merge (``wait``).
+    quorum: offers a merge needs at least (0: every learner still training).
+    grace: gamma, the share of a step's slack the grace window waits for the others.
+    wait: whether a learner waits, ``overlap`` steps after an offer, for the merge it offered to.
+    outer_lr, outer_momentum, nesterov: the synchronizer's outer SGD.
+    """
+
+    config_name: ClassVar[str] = "decoupled_diloco"
+
+    sync_every: int
+    num_fragments: int
+    overlap: int
+    quorum: int
+    grace: float
+    wait: bool
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+
+    def errors(self) -> list[str]:
+        errors = super().errors() + fragment_errors(self.num_fragments, self.sync_every)
+        if self.sync_every >= 1 and not 0 <= self.overlap < self.sync_every:
+            errors.append(f"overlap must be in [0, sync_every), got {self.overlap}")
+        if self.quorum < 0:
+            errors.append(f"quorum must be >= 0 learners (0: every learner), got {self.quorum}")
+        if not 0 <= self.grace <= 1:
+            errors.append(f"grace must be in [0, 1], got {self.grace}")
+        if not self.outer_lr > 0:
+            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        return errors
 
 
 @dataclass
@@ -51,6 +93,7 @@ class Offer:
     tensors: list[torch.Tensor]
     tokens: int
     steps: int
+    step: int = 0  # the learner's inner step it was sent after
 
     @property
     def weight(self) -> float:
@@ -84,14 +127,15 @@ class FragmentSynchronizer:
         self.contributors: list[list[int]] = []  # per merge, in order: (fragment, learners...)
 
     # ---------------------------------------------------------------- offers and the quorum
-    def offer(self, learner: int, fragment: int, tensors: Sequence[torch.Tensor], tokens: int, steps: int) -> None:
+    def offer(self, learner: int, fragment: int, tensors: Sequence[torch.Tensor], tokens: int, steps: int,
+              step: int = 0) -> None:
         """Learner ``learner``'s fragment; a later offer of the same learner before the merge
         replaces its earlier one (its counters ran on: it covers what the earlier covered)."""
         expected = [self.parameters[i].shape for i in self.fragments[fragment]]
         if [t.shape for t in tensors] != expected:
             raise ValueError(f"learner {learner}'s fragment {fragment} has shapes {[tuple(t.shape) for t in tensors]}, "
                              f"the synchronizer's {[tuple(s) for s in expected]}")
-        self.offers[fragment][learner] = Offer([t.detach().float() for t in tensors], int(tokens), int(steps))
+        self.offers[fragment][learner] = Offer([t.detach().float() for t in tensors], int(tokens), int(steps), int(step))
 
     def needed(self, training: int) -> int:
         """Offers a merge needs while ``training`` learners have not finished (a learner that
@@ -144,8 +188,9 @@ class FragmentSynchronizer:
 
 # ---------------------------------------------------------------------------- the serving loop
 # The messages between learners and the synchronizer (headers of hub messages):
-OFFER = "offer"  # learner -> synchronizer: {kind, fragment, tokens, steps, step_s} + the fragment's tensors
+OFFER = "offer"  # learner -> synchronizer: {kind, fragment, tokens, steps, step, step_s} + the fragment's tensors
 GLOBAL = "global"  # synchronizer -> learner: {kind, fragment, version} + the global fragment's tensors
+HELLO = "hello"  # learner -> synchronizer, before its first step here: {kind, versions} (the versions it holds)
 # (a learner leaving says hub.DONE and is answered hub.BYE: lowcomm.comm.hub)
 
 # How much of a new measurement a smoothed time takes
@@ -181,12 +226,15 @@ class Timings:
 
 
 def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_steps: int, gamma: float,
-          idle_timeout_s: float = 300.0, on_merge=None) -> Timings:
+          idle_timeout_s: float = 300.0, on_merge=None, before_merge=None) -> Timings:
     """Serve ``learners`` learners through ``hub`` until each has said it is done (or, lost, has
     not come back within ``idle_timeout_s`` of the last message): take their offers, merge each
     fragment once its quorum is met and its grace window has passed (or every connected learner
-    has offered), and send the new global fragment to every connected learner. ``on_merge(fragment,
-    version)``: called after each merge (a checkpoint, a log line)."""
+    has offered), and send the new global fragment to every connected learner. A learner's hello
+    (its first word after it starts or resumes) is answered with every global fragment newer than
+    the versions it holds. ``before_merge(step)``: called before each merge with the latest inner
+    step its offers were sent after (the harness saves the synchronizer's state as of a checkpoint
+    step there); ``on_merge(fragment, version)``: after each merge."""
     timings = Timings()
     done: set[int] = set()
     finishing: set[int] = set()  # said DONE, with an offer still to merge: counted until it is merged
@@ -204,17 +252,20 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
             if time.monotonic() - last_message > idle_timeout_s:
                 break
         kind = None if message is None else message.header.get("kind", "joined" if "joined" in message.header else None)
-        if kind == "joined":
-            # a learner (re)starting takes the global fragments merged so far before it offers:
-            # its outer gradient is then against them, not against what it started from
+        if kind == HELLO:
+            # a learner (re)starting takes the global fragments merged since the versions it holds
+            # before it offers: its outer gradient is then against them, not against what it
+            # started from (one that resumes where the synchronizer's state was saved is sent none)
+            held = list(message.header.get("versions", []))
             for fragment, version in enumerate(synchronizer.versions):
-                if version:
+                if version > (held[fragment] if fragment < len(held) else 0):
                     hub.send(learner, {"kind": GLOBAL, "fragment": fragment, "version": version},
                              [synchronizer.parameters[i] for i in synchronizer.fragments[fragment]])
         elif kind == OFFER:
             header = message.header
             fragment = int(header["fragment"])
-            synchronizer.offer(learner, fragment, message.tensors, header["tokens"], header["steps"])
+            synchronizer.offer(learner, fragment, message.tensors, header["tokens"], header["steps"],
+                               header.get("step", 0))
             round_started.setdefault(fragment, time.monotonic())
             timings.saw_step(learner, float(header.get("step_s", 0.0)))
         elif kind == DONE:
@@ -236,6 +287,8 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
                                                           gamma)
             if now < deadline[fragment] and not synchronizer.everyone_offered(fragment, connected):
                 continue
+            if before_merge is not None:
+                before_merge(max(o.step for o in synchronizer.offers[fragment].values()))
             version, tensors = synchronizer.merge(fragment)
             for m in connected:
                 hub.send(m, {"kind": GLOBAL, "fragment": fragment, "version": version}, tensors)
@@ -283,8 +336,12 @@ class DecoupledLearner(torch.optim.Optimizer):
         self._held: list = []  # versions of waited-for fragments that arrived before their step
         self._step_started: float | None = None  # (the first step's time holds the start: not reported)
         self._waited_s = 0.0
+        self._said_hello = False
 
     def step(self, closure: Callable[[], float] | None = None):
+        if not self._said_hello:  # (after a restore: the versions it holds are its checkpoint's)
+            self.link.push({"kind": HELLO, "versions": list(self.versions)})
+            self._said_hello = True
         loss = self.inner.step(closure)
         self.local_step += 1
         now = time.perf_counter()
@@ -297,7 +354,8 @@ class DecoupledLearner(torch.optim.Optimizer):
         for fragment, offset in enumerate(self.offsets):
             if self.local_step % self.sync_every == offset % self.sync_every:
                 self.link.push({"kind": OFFER, "fragment": fragment, "tokens": self.tokens_since[fragment],
-                                "steps": self.steps_since[fragment], "step_s": step_s},
+                                "steps": self.steps_since[fragment], "step": self.local_step,
+                                "step_s": seconds_field(step_s)},
                                [p.detach() for p in self.fragments[fragment]])
                 if self.wait:
                     self._awaited[fragment] = (self.local_step + self.overlap, self.versions[fragment])
@@ -344,10 +402,13 @@ class DecoupledLearner(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "versions": list(self.versions),
-                "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since)}
+                "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since),
+                "awaited": {str(f): list(due) for f, due in self._awaited.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
         self.local_step = int(state["local_step"])
         self.versions = list(state["versions"])
         self.steps_since, self.tokens_since = list(state["steps_since"]), list(state["tokens_since"])
+        # the versions it waits for: one that arrives after the resume is taken at the step it was due at
+        self._awaited = {int(f): (int(due), int(at)) for f, (due, at) in state.get("awaited", {}).items()}

@@ -53,6 +53,12 @@ OPEN_CHOICES = {
 }
 
 
+def seconds_field(seconds: float) -> str:
+    """A time in a message's header, at a fixed width ("1.234567e-01"): a header's length, and so
+    the bytes a run sends, does not then depend on how fast its steps happened to be."""
+    return f"{max(0.0, seconds):.6e}"
+
+
 def token_weight(tokens: int, steps: int) -> float:
     """Decoupled DiLoCo's weight of a learner's fragment: its tokens since it last received the
     fragment times its tokens per step (quantity times quality: a learner that lost devices

@@ -200,6 +200,9 @@ class Strategy:
     replica_groups_refusal: ClassVar[str | None] = "its exchange is not offered between replica groups"
     # True where its exchange between replica groups is an all-gather, built for groups of one rank
     replica_groups_of_one_rank: ClassVar[bool] = False
+    # True where its workers are learners around a synchronizer process, joined by no collective
+    # (lowcomm.strategies.learners)
+    learners: ClassVar[bool] = False
 
     def __init__(self, cfg: StrategyConfig, compression: dict[str, Any], comm: Communicator):
         self.cfg = cfg
@@ -268,6 +271,10 @@ class Strategy:
 
     def extra_state(self) -> dict[str, Any]:
         return {}
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> None:
+        """The loop has ended (finished, stopped or diverged): anything the method still owes
+        or is owed (a learner leaves its synchronizer). Nothing by default."""
 
     @classmethod
     def layout(cls, cfg: StrategyConfig, local_world_size: int) -> dict[str, Any]:  # noqa: ARG003

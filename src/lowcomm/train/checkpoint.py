@@ -239,20 +239,23 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     # --------------------------------------------------------------- restore
-    def restore_latest(self, model, optimizer) -> Restored | None:
+    def restore_latest(self, model, optimizer, *, root: Path | None = None) -> Restored | None:
         """Load the newest usable checkpoint into model/optimizer/RNG/meter; None when the run
         has none. Rank 0 chooses the candidates (every rank tries the same ones, in order); a
-        run whose checkpoints are all unusable stops with CheckpointError listing them."""
+        run whose checkpoints are all unusable stops with CheckpointError listing them.
+        ``root``: another worker's checkpoints to resume from (a learner that has none of its
+        own); saves still go to this run's."""
+        root = self.root if root is None else root
         steps: list[int] = []
         if self.comm.rank == 0:
-            for leftover in self.root.glob(".tmp_step_*") if self.root.is_dir() else ():
+            for leftover in root.glob(".tmp_step_*") if root.is_dir() else ():
                 log.warning("removing %s, a checkpoint whose writing was interrupted", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
-            steps = [int(path.name.split("_")[1]) for path in list_checkpoints(self.root)]
+            steps = [int(path.name.split("_")[1]) for path in list_checkpoints(root)]
         steps = self.comm.share(steps)
         found = []
         for step in steps:
-            directory = self.root / step_dir_name(step)
+            directory = root / step_dir_name(step)
             loaded, problem = None, None
             try:
                 loaded = self._read(directory)
@@ -273,7 +276,7 @@ class CheckpointManager:
             return Restored(step=trainer["step"], consumed=trainer["consumed"], path=directory,
                             written_by=written_by, elastic_rule=rule)
         if found:
-            raise CheckpointError(f"no usable checkpoint in {self.root}; found: " + "; ".join(found)
+            raise CheckpointError(f"no usable checkpoint in {root}; found: " + "; ".join(found)
                                   + ". Restore or remove them to start over")
         return None
 

@@ -29,12 +29,13 @@ from lowcomm.hardware import bf16_peak_flops
 from lowcomm.models import build_model, count_parameters, flops_per_token
 from lowcomm.rundir import RunDir, list_checkpoints, write_json_atomic
 from lowcomm.train.boundary import Boundary, BoundaryAgreement
-from lowcomm.train.checkpoint import CheckpointManager
+from lowcomm.train.checkpoint import CheckpointManager, Restored
 from lowcomm.train.metrics import MetricsWriter, Progress
 from lowcomm.train.peers import PeerTable
-from lowcomm.train.replicas import ReplicaGroup, group_place
+from lowcomm.train.replicas import ReplicaGroup, group_place, own_run_dir
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 from lowcomm.train.slowdown import Slowdown
+from lowcomm.train.synchronizer import learner_dir, learners_with_checkpoints, synchronizer_address, uses_synchronizer
 
 log = logging.getLogger("lowcomm.train")
 
@@ -176,7 +177,16 @@ class Trainer:
         timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
         self.clock = DeviceClock(self.device)
         self.group: ReplicaGroup | None = None
-        if run.cluster.fault_tolerance == "torchft":
+        self.learner: int | None = None
+        if uses_synchronizer(run):
+            # a learner around a synchronizer (lowcomm.strategies.learners): no collective joins
+            # it to the other learners, not even the loop's agreement at a boundary (its own
+            # alone), and its records are its own (learner 0's are the run's)
+            self.learner = env.rank
+            self.comm = self.exchange = Communicator(device=self.device, timeout=timeout)
+            self.run_dir = own_run_dir(run.run_dir, self.learner)
+            self.shard, self.world_size = env.rank, env.world_size
+        elif run.cluster.fault_tolerance == "torchft":
             # replica groups of cluster.ranks_per_group ranks: the loop's collectives are the
             # group's own (one rank: none), and only the method's exchange reaches the other groups
             replica, within = group_place(run, env)
@@ -207,6 +217,10 @@ class Trainer:
                                                               train, self.device)
         self.n_params = count_parameters(model)
         self.strategy = run.strategy_class(run.optimizer, run.compression, self.exchange)
+        if self.learner is not None:
+            address = synchronizer_address(run.run_dir, wait_s=run.cluster.collective_timeout_s)
+            self.strategy.connect(address, self.learner, timeout_s=run.cluster.collective_timeout_s,
+                                  tokens_per_step=train.global_batch_size // self.world_size * train.seq_len)
         self.model, self.optimizer = self.strategy.build(model)
         self.order = BatchOrder(len(self.data.train), train.global_batch_size, self.shard,
                                 self.world_size, train.micro_batch_size, seed=run.seed)
@@ -279,7 +293,7 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         run, train = self.run, self.run.train
-        restored = self.checkpoints.restore_latest(self.model, self.optimizer)
+        restored = self._restore()
         start = restored.step if restored else 0
         if self.group is not None:  # ready to train: the other groups' quorums may wait for this one
             self.group.join(run.cluster.collective_timeout_s)
@@ -384,6 +398,8 @@ class Trainer:
             if stop:
                 preempted = True
                 break
+        # a learner leaves its synchronizer (the merges of its last offers come to it first)
+        self.strategy.finish(self.optimizer)
         if divergence is not None:
             summary = {**self._summary(done, None, compute_s, start), "diverged": divergence}
             if self.is_main:
@@ -401,6 +417,20 @@ class Trainer:
         writer.close()
         return TrainResult(self.run_dir, final_step, preempted, summary,
                            stop_signal=stop_signal if preempted else None)
+
+    def _restore(self) -> Restored | None:
+        """The newest usable checkpoint, restored. A learner that has none of its own, in a run whose
+        learners 0 ... k - 1 left some, resumes from learner (its index mod k)'s
+        (:meth:`~lowcomm.strategies.learners.LearnerStrategy.elastic_rule`)."""
+        if self.learner is None:
+            return self.checkpoints.restore_latest(self.model, self.optimizer)
+        written = learners_with_checkpoints(self.run.run_dir)
+        source = self.learner if self.learner < written or not written else self.learner % written
+        restored = self.checkpoints.restore_latest(self.model, self.optimizer,
+                                                   root=RunDir(learner_dir(self.run, source)).checkpoints)
+        if restored is not None and written != self.world_size:
+            restored.written_by, restored.elastic_rule = written, self.strategy.elastic_rule(written)
+        return restored
 
     def _replica_events(self, writer: MetricsWriter, steps: Steps, step: int) -> int:
         """A replica group's step ends: its membership changes go to its record, and after a heal

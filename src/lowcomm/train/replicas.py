@@ -39,6 +39,18 @@ def replica_run_dir(run_dir: str | Path, replica: int) -> Path:
     return run_dir if replica == 0 else run_dir / "replicas" / str(replica)
 
 
+def own_run_dir(run_dir: str | Path, replica: int) -> Path:
+    """:func:`replica_run_dir`, made with the run's ``config.yaml`` in it: a run directory of its
+    own, which the reports can read as one."""
+    path = replica_run_dir(run_dir, replica)
+    if replica:
+        path.mkdir(parents=True, exist_ok=True)
+        config, copy = RunDir(run_dir).config, RunDir(path).config
+        shutil.copyfile(config, copy.with_suffix(".tmp"))
+        os.replace(copy.with_suffix(".tmp"), copy)
+    return path
+
+
 # Under torchrun each replica group is one torchrun (``--standalone``, its own rendezvous and
 # restarts), under SLURM a job of its own (a node; :mod:`lowcomm.launch.slurm` sets it), and this
 # says which group it is (torchft's REPLICA_GROUP_ID); the local launcher's workers are numbered
@@ -126,13 +138,8 @@ class ReplicaGroup:
         self.lighthouse = lighthouse
         self.members = members
         self.shared_dir = Path(run.run_dir)  # the run's, where the groups of a launch meet
-        self.run_dir = replica_run_dir(run.run_dir, self.replica)
-        if self.replica and members.rank == 0:  # a run directory of its own, which the reports can read as one
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            config = RunDir(run.run_dir).config
-            copy = RunDir(self.run_dir).config
-            shutil.copyfile(config, copy.with_suffix(".tmp"))
-            os.replace(copy.with_suffix(".tmp"), copy)
+        self.run_dir = own_run_dir(run.run_dir, self.replica) if members.rank == 0 else \
+            replica_run_dir(run.run_dir, self.replica)
         timeout = datetime.timedelta(seconds=run.cluster.collective_timeout_s)
         self.exchange = ReplicaGroups(self.replica, self.replicas, lighthouse=lighthouse,
                                       min_replicas=run.cluster.min_replicas, meter=members.meter, device=device,
