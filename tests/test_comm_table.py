@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -11,6 +13,7 @@ from lowcomm.cli.comm_table import main
 from lowcomm.models import ModelSpec, build_model, count_parameters
 from lowcomm.report.comm_table import build_table
 from lowcomm.train.metrics import read_metrics
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
 from runs import tiny_run, train_in_workers
 
 
@@ -148,18 +151,43 @@ def _metered_steps(rank: int, world: int, name: str) -> dict:  # noqa: ARG001 - 
     strategy_cls, cfg = validate_optimizer(raw)
     comm = Communicator()
     strategy = strategy_cls(cfg, raw["compression"], comm)
+    if strategy.learners:  # the synchronizer the test serves for the W learners
+        strategy.connect(os.environ[SYNCHRONIZER_ENV], rank, tokens_per_step=64)
     model, optimizer = strategy.build(build_model(ModelSpec(**raw["model"]), "cpu", seed=0))
     generator = torch.Generator().manual_seed(rank)
     tx = rx = payload = 0
-    for _ in range(steps):
+    for step in range(steps):
         tokens = torch.randint(0, 256, (2, 32), generator=generator)
         model(tokens).logits.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step == steps - 1:  # a learner leaves, taking what it is owed (its last step's bytes)
+            strategy.finish(optimizer)
         metrics = comm.meter.end_step()
         tx, rx, payload = tx + metrics["comm/tx_bytes"], rx + metrics["comm/rx_bytes"], payload + metrics[
             "comm/payload_bytes"]
     return {"tx": tx / steps, "rx": rx / steps, "payload": payload / steps, "overrides": overrides}
+
+
+@contextlib.contextmanager
+def _served(name: str, overrides: list[str]):
+    """A method of learners: its synchronizer, served by a thread here for the W learners (its
+    address in their environment); yields its hub's meter, None for any other method."""
+    from lowcomm.config import validate_optimizer
+    from lowcomm.config.compose import compose
+    from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.learners import LocalSynchronizer
+
+    if not STRATEGIES[name].learners:
+        yield None
+        return
+    raw = OmegaConf.to_container(compose([f"optimizer={name}", *overrides]), resolve=True)
+    strategy_cls, cfg = validate_optimizer(raw)
+    model = build_model(ModelSpec(**raw["model"]), "cpu", seed=0)
+    with LocalSynchronizer(strategy_cls, cfg, model, learners=TABLE_WORLD) as sync, \
+            pytest.MonkeyPatch.context() as env:
+        env.setenv(SYNCHRONIZER_ENV, sync.address)
+        yield sync.hub.meter
 
 
 @pytest.mark.slow
@@ -171,8 +199,14 @@ def test_every_strategy_meters_what_the_table_predicts_and_balances(name):
     from lowcomm.comm.spawn import spawn_workers
     from lowcomm.report.comm_table import measure
 
-    results = spawn_workers(_metered_steps, TABLE_WORLD, name)
-    assert sum(r["tx"] for r in results) == sum(r["rx"] for r in results)
+    from lowcomm.strategies import STRATEGIES
+
+    with _served(name, list(STRATEGIES[name].cycle.overrides)) as hub:
+        results = spawn_workers(_metered_steps, TABLE_WORLD, name)
+    # (a method of learners: their bytes and the synchronizer's, per step of the cycle)
+    steps = STRATEGIES[name].cycle.steps
+    hub_tx, hub_rx = (0, 0) if hub is None else (hub.cumulative_bytes("tx") / steps, hub.cumulative_bytes("rx") / steps)
+    assert sum(r["tx"] for r in results) + hub_tx == sum(r["rx"] for r in results) + hub_rx
     overrides = [f"optimizer={name}", *results[0]["overrides"]]
     payload, tx = measure("tiny", overrides, TABLE_WORLD, gpus_per_node=2, backend="gloo")[:2]
     mean_tx = sum(r["tx"] for r in results) / TABLE_WORLD

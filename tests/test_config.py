@@ -216,7 +216,7 @@ def test_a_bad_slurm_profile_is_refused_by_validation_before_any_submission(tmp_
     (["optimizer=demo", "+optimizer.topk=-1"],
      "optimizer.topk is not a key of optimizer=demo; did you mean optimizer.compression_topk?"),
     (["optimizer=adamw_nope"], "optimizer=adamw_nope: configs/optimizer/adamw_nope.yaml does not exist "
-                               "(did you mean adamw_ddp?); choose one of: adamw_ddp, demo,"),
+                               "(did you mean adamw_ddp?); choose one of: adamw_ddp, async_diloco, decoupled_diloco, demo,"),
     (["compression=topk", "compression.frac=0.1"], "did you mean compression.fraction?"),
     (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
     (["train.max_steps=many"], "train.max_steps: Value 'many' of type 'str' could not be converted to Integer"),

@@ -5,6 +5,8 @@ that must compress."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -15,6 +17,7 @@ from lowcomm.config import ConfigError, config_dir, validate_optimizer
 from lowcomm.config.compose import compose
 from lowcomm.models import ModelSpec, build_model
 from lowcomm.strategies import STRATEGIES
+from lowcomm.strategies.learners import LocalSynchronizer
 
 # What each strategy needs beyond its defaults to build on two CPU workers.
 EXTRA = {
@@ -39,11 +42,17 @@ def _zero_gradient_steps(rank: int, world: int, name: str):
                    f"optimizer.decay_embeddings={str(decay_embeddings).lower()}")
         strategy_cls, cfg = validate_optimizer(raw)
         strategy = strategy_cls(cfg, raw["compression"], Communicator())
-        model, optimizer = strategy.build(build_model(ModelSpec(**raw["model"]), "cpu", seed=0))
-        before = {k: v.clone() for k, v in strategy.model_state_dict(model).items()}
-        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-        (model(tokens).logits.sum() * 0).backward()
-        optimizer.step()
+        model = build_model(ModelSpec(**raw["model"]), "cpu", seed=0)
+        with contextlib.ExitStack() as stack:
+            if strategy.learners:  # a learner of a synchronizer of its own (one step: nothing is merged)
+                sync = stack.enter_context(LocalSynchronizer(strategy_cls, cfg, model, learners=1))
+                strategy.connect(sync.address, 0, tokens_per_step=32)
+            model, optimizer = strategy.build(model)
+            before = {k: v.clone() for k, v in strategy.model_state_dict(model).items()}
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+            (model(tokens).logits.sum() * 0).backward()
+            optimizer.step()
+            strategy.finish(optimizer)
         results[decay_embeddings] = {"before": before, "after": strategy.model_state_dict(model)}
     return results if rank == 0 else None
 

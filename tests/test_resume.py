@@ -29,6 +29,7 @@ import torch
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
+from lowcomm.train.synchronizer import learner_dir
 from runs import point_id, quickstart_points, tiny_run, train_in_workers
 
 POINTS = quickstart_points()
@@ -114,9 +115,11 @@ def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path_factory, point, p
     reference = _final_state(final)
     reference_metrics = run_dir.read_metrics()
 
-    # killed after the step-3 checkpoint: the final one and the summary were never written
-    shutil.rmtree(final)
-    run_dir.summary.unlink()
+    # killed after the step-3 checkpoint: the final one and the summary were never written (by
+    # any learner of a method of learners, and its synchronizer's state as of step 6 neither)
+    for directory in _worker_dirs(run):
+        shutil.rmtree(RunDir(directory).checkpoints / "step_000000006")
+        RunDir(directory).summary.unlink()
     train_in_workers(run)
 
     weights = {tensor.dtype for key, tensor in _model_state(reference).items() if tensor.is_floating_point()}
@@ -134,6 +137,14 @@ def test_a_run_stopped_mid_period_resumes_bit_for_bit(tmp_path_factory, point, p
 
 
 
+def _worker_dirs(run) -> list[Path]:
+    """The run directories its workers write checkpoints to: the run's, and under a method of
+    learners each learner's (lowcomm.train.synchronizer.learner_dir)."""
+    if not STRATEGIES[run.optimizer_name].learners:
+        return [Path(run.run_dir)]
+    return [learner_dir(run, learner) for learner in range(run.world_size)]
+
+
 def _restore_then_train(rank: int, world: int, config_path: str) -> dict:  # noqa: ARG001 - spawn_workers' signature
     """A rank of the resumed run: its state right after the restore the run does, then the run."""
     from lowcomm.config import load_run_config, validate
@@ -141,7 +152,7 @@ def _restore_then_train(rank: int, world: int, config_path: str) -> dict:  # noq
     from lowcomm.train.loop import Trainer
 
     trainer = Trainer(validate(load_run_config(config_path)), DistEnv.from_environ())
-    restored = trainer.checkpoints.restore_latest(trainer.model, trainer.optimizer)
+    restored = trainer.restore()
     # (a copy: the state dict holds the optimizer's live tensors, which the run goes on to change)
     state = {"optim": copy.deepcopy(trainer.optimizer.state_dict()), "rng": torch.get_rng_state(),
              "step": restored.step}
@@ -179,6 +190,9 @@ def test_a_run_resumes_mid_period_on_twice_as_many_ranks(tmp_path_factory, point
     strategy = STRATEGIES[POINTS[point][0].split("=", 1)[1]]
     run = _finished(tmp_path_factory, point, "fp32")
     _FINISHED.pop((point, "fp32"))  # its final checkpoint is rewritten by 4 ranks below
+    if strategy.learners:
+        _learners_resume_on_four(run, strategy, point, capfd)
+        return
     run_dir = RunDir(run.run_dir)
     shutil.rmtree(run_dir.checkpoints / "step_000000006")
     run_dir.summary.unlink()
@@ -209,3 +223,46 @@ def test_a_run_resumes_mid_period_on_twice_as_many_ranks(tmp_path_factory, point
     assert json.loads((final / "trainer.json").read_text())["world_size"] == 4
     own = sorted(path.name for path in final.glob("optim_rank*.pt"))
     assert own == ([] if strategy.replicated_optimizer_state else [f"optim_rank{rank}.pt" for rank in range(4)])
+
+
+def _learners_resume_on_four(run, strategy, point: str, capfd) -> None:
+    """A method of learners grown to 4: learner r resumes from learner (r mod W)'s checkpoint
+    (its optimizer state and RNG), the synchronizer from its state of that step; each learner
+    says what it did in its first line and its record."""
+    from lowcomm.launch.local import prepare_run_dir, start_synchronizer
+    from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
+
+    written = run.world_size
+    for directory in _worker_dirs(run):
+        shutil.rmtree(RunDir(directory).checkpoints / "step_000000006")
+        RunDir(directory).summary.unlink()
+    expected = []
+    for learner in range(4):
+        step3 = RunDir(learner_dir(run, learner % written)).checkpoints / "step_000000003"
+        expected.append({"optim": torch.load(step3 / "optim_rank0.pt", weights_only=False),
+                         "rng": torch.load(step3 / "rank0.pt", weights_only=False)["rng"]["torch"]})
+    grown = tiny_run(run.run_root, *_settings(point, "fp32", f"run_name={run.run_name}"), "cluster.workers=4",
+                     max_steps=6)
+    assert grown.run_dir == run.run_dir and grown.world_size == 4
+    capfd.readouterr()
+    synchronizer = start_synchronizer(grown, prepare_run_dir(grown))
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(SYNCHRONIZER_ENV, synchronizer.address)
+            states = spawn_workers(_restore_then_train, 4, str(RunDir(grown.run_dir).config), timeout_s=300,
+                                   backend=None)
+    finally:
+        assert synchronizer.stop() == 0
+    for learner, (state, want) in enumerate(zip(states, expected, strict=True)):
+        assert (state["step"], state["final_step"]) == (3, 6)
+        _same(state["optim"], want["optim"], f"learner {learner}'s optimizer state")
+        assert torch.equal(state["rng"], want["rng"]), f"learner {learner}'s RNG"
+    rule = strategy.elastic_rule(written)
+    said = [line for line in capfd.readouterr().out.splitlines() if "resuming from step_000000003" in line]
+    assert len(said) == 4 and all(f"(written by {written} ranks; on these: {rule})" in line for line in said), said
+    for learner in range(4):
+        records = RunDir(learner_dir(grown, learner)).read_metrics()
+        assert [r for r in records if "event" in r] == [
+            {"step": 3, "event": "resume", "world_size": 4, "written_by": written, "rule": rule}]
+        assert len([r for r in records if "train/loss" in r]) == 6 - (3 if learner >= written else 0)
+    assert json.loads((Path(grown.run_dir) / "synchronizer.json").read_text())["resumed_from"] == 3

@@ -117,6 +117,7 @@ class AsyncLearner(torch.optim.Optimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
+        self.param_groups = self.inner.param_groups  # (the inner's load replaced its list: the schedule's groups)
         self.pulled = [p.clone() for p in state["pulled"]]
         self.local_step, self.steps_in_round = int(state["local_step"]), int(state["steps_in_round"])
         self.local_steps, self.rounds = int(state["local_steps"]), int(state["rounds"])

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from lowcomm.comm.hub import BYE, DONE
+from lowcomm.comm.hub import BYE, DONE, Message
 from lowcomm.optim.args import Args, raise_argument_errors
 from lowcomm.optim.diloco import InnerOptimizer, outer_direction_
 from lowcomm.optim.streaming_diloco import fragment_errors, fragment_offsets
@@ -340,7 +340,11 @@ class DecoupledLearner(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None):
         if not self._said_hello:  # (after a restore: the versions it holds are its checkpoint's)
-            self.link.push({"kind": HELLO, "versions": list(self.versions)})
+            held = list(self.versions)
+            for message in self._held:  # arrived, to be taken at the step they are due
+                fragment = message.header["fragment"]
+                held[fragment] = max(held[fragment], message.header["version"])
+            self.link.push({"kind": HELLO, "versions": held})
             self._said_hello = True
         loss = self.inner.step(closure)
         self.local_step += 1
@@ -403,12 +407,16 @@ class DecoupledLearner(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "versions": list(self.versions),
                 "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since),
-                "awaited": {str(f): list(due) for f, due in self._awaited.items()}}
+                "awaited": {str(f): list(due) for f, due in self._awaited.items()},
+                # versions that arrived before the step they are due at (received once: kept)
+                "held": [{"header": m.header, "tensors": [t.clone() for t in m.tensors]} for m in self._held]}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
+        self.param_groups = self.inner.param_groups  # (the inner's load replaced its list: the schedule's groups)
         self.local_step = int(state["local_step"])
         self.versions = list(state["versions"])
         self.steps_since, self.tokens_since = list(state["steps_since"]), list(state["tokens_since"])
         # the versions it waits for: one that arrives after the resume is taken at the step it was due at
         self._awaited = {int(f): (int(due), int(at)) for f, (due, at) in state.get("awaited", {}).items()}
+        self._held = [Message(dict(m["header"]), [t.clone() for t in m["tensors"]], 0) for m in state.get("held", [])]

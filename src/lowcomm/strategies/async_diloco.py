@@ -55,7 +55,7 @@ class AsyncDiLoCoStrategy(LearnerStrategy):
 
     name = "async_diloco"
     Config = AsyncDiLoCoConfig
-    display = Display("Async DiLoCo", marker="x", color="olive")
+    display = Display("Async DiLoCo", marker="x", color="sienna")
     quickstart = (Point("Async DiLoCo H=10", "optimizer.lr=6e-3", "optimizer.sync_every=10"),)
     table1_tiny = quickstart
     comm_table = (Row("Async DiLoCo H=10", "optimizer.sync_every=10"),)

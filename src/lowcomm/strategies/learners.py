@@ -12,6 +12,7 @@ around the link (:meth:`LearnerStrategy.build`) and how to build its synchronize
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
@@ -109,9 +110,43 @@ class LearnerStrategy(Strategy):
         return 0.0, 3 * parameter_bytes(model)
 
 
+class LocalSynchronizer:
+    """A synchronizer served by a thread of this process, for a loop of one's own or a test (the
+    harness runs it as a process: :mod:`lowcomm.train.synchronizer`)::
+
+        with LocalSynchronizer(Strategy, cfg, model, learners=1) as sync:
+            strategy.connect(sync.address, 0, tokens_per_step=...)
+            model, optimizer = strategy.build(model)
+            ...  # train
+            strategy.finish(optimizer)
+
+    ``model``: the learners' initial parameters (the same seed). Learners in other processes
+    reach it at :attr:`address` too. Leaving the block waits for every learner to finish (at
+    most ``wait_s``), then closes the hub."""
+
+    def __init__(self, strategy: type[LearnerStrategy], cfg: StrategyConfig, model: torch.nn.Module, *,
+                 learners: int, wait_s: float = 120.0):
+        from lowcomm.comm.hub import Hub
+
+        self.role = strategy.make_synchronizer(cfg, model, learners)
+        self.hub = Hub("127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.hub.port}"
+        self.wait_s = wait_s
+        self._thread = threading.Thread(target=self.role.serve, name="synchronizer", daemon=True, kwargs=dict(
+            hub=self.hub, learners=learners, before=lambda step: None, idle_timeout_s=wait_s))
+
+    def __enter__(self) -> LocalSynchronizer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.join(timeout=self.wait_s)
+        self.hub.close()
+
+
 def frame_bytes(header: dict, tensors: list[torch.Tensor]) -> int:
     """A hub frame's size for ``tensors`` (shapes and dtypes: meta tensors do) under ``header``."""
     return frame_overhead(header, tensors) + sum(t.numel() * t.element_size() for t in tensors)
 
 
-__all__ = ["LearnerStrategy", "Synchronizer", "embedding_indices", "frame_bytes", "trainable_parameters"]
+__all__ = ["LearnerStrategy", "LocalSynchronizer", "Synchronizer", "embedding_indices", "frame_bytes", "trainable_parameters"]

@@ -293,7 +293,7 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         run, train = self.run, self.run.train
-        restored = self._restore()
+        restored = self.restore()
         start = restored.step if restored else 0
         if self.group is not None:  # ready to train: the other groups' quorums may wait for this one
             self.group.join(run.cluster.collective_timeout_s)
@@ -308,7 +308,8 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, enabled=self.is_main, wandb_cfg=run.wandb, run_name=self.record_name,
                                config=run.raw, resume_step=start if restored else None)
         if restored and restored.elastic_rule:
-            writer.event(start, "resume", world_size=self.comm.world_size, written_by=restored.written_by,
+            writer.event(start, "resume", world_size=self.world_size if self.learner is not None else self.comm.world_size,
+                         written_by=restored.written_by,
                          rule=restored.elastic_rule)
         # (under torchft group 0's progress stands for the run's; every group has its own record)
         progress = Progress(train.max_steps, start, enabled=self.is_main and self.shard == 0)
@@ -418,7 +419,7 @@ class Trainer:
         return TrainResult(self.run_dir, final_step, preempted, summary,
                            stop_signal=stop_signal if preempted else None)
 
-    def _restore(self) -> Restored | None:
+    def restore(self) -> Restored | None:
         """The newest usable checkpoint, restored. A learner that has none of its own, in a run whose
         learners 0 ... k - 1 left some, resumes from learner (its index mod k)'s
         (:meth:`~lowcomm.strategies.learners.LearnerStrategy.elastic_rule`)."""
