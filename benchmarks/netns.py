@@ -14,6 +14,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -190,3 +192,22 @@ def _run_in(namespace: str, argv: Sequence[str]) -> None:
     done = subprocess.run(["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"in namespace {namespace}: {' '.join(argv)} failed: {done.stderr.strip()}")
+
+
+def start_synchronizer_on(node: Node, config_path: Path, run_dir: Path, env: dict[str, str],
+                          wait_s: float = 120.0) -> subprocess.Popen:
+    """A run of learners' synchronizer (``python -m lowcomm.train.synchronizer``) on ``node``, its
+    address in the run's record under the node's hostname, as the local launcher would start it;
+    returned once the record is there (the learners find it there)."""
+    record = Path(run_dir) / "synchronizer.json"
+    record.unlink(missing_ok=True)
+    proc = subprocess.Popen(node.command([sys.executable, "-m", "lowcomm.train.synchronizer", str(config_path)]),
+                            env={**env, "LOWCOMM_SYNCHRONIZER_HOST": node.hostname}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + wait_s
+    while not record.is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the synchronizer on {node.hostname} did not start: {proc.communicate()[0][-2000:]}")
+        time.sleep(0.1)
+    return proc

@@ -61,10 +61,16 @@ def _setup(name: str, blocks: int, device: torch.device):
     strategy_class, optimizer_cfg = validate_optimizer(raw)
     model = build_model(ModelSpec(**raw["model"]), device, seed=0)
     strategy = strategy_class(optimizer_cfg, raw.get("compression") or {}, Communicator.world(device))
+    sync = None
+    if strategy.learners:  # a learner of a synchronizer served by a thread here (one learner: W=1)
+        from lowcomm.strategies.learners import LocalSynchronizer
+
+        sync = LocalSynchronizer(strategy_class, optimizer_cfg, model, learners=1).__enter__()
+        strategy.connect(sync.address, 0, tokens_per_step=1)
     wrapped, optimizer = strategy.build(model)
     generator = torch.Generator(device="cpu").manual_seed(0)
     grads = [torch.randn(p.shape, generator=generator).mul_(1e-3).to(device) for p in wrapped.parameters()]
-    return wrapped, optimizer, grads, cycle.steps
+    return wrapped, optimizer, grads, cycle.steps, sync
 
 
 class _WholeBucket:
@@ -142,7 +148,7 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
     began = time.perf_counter()
     for number, name in enumerate(names, 1):
         try:
-            model, optimizer, grads, steps = _setup(name, blocks, device)
+            model, optimizer, grads, steps, sync = _setup(name, blocks, device)
         except Exception as exc:  # noqa: BLE001 - a method that cannot run at W=1 is reported, not fatal
             results[name] = {"error": " ".join(str(exc).split())[:300]}
             print(f"[step_cost] {number}/{len(names)} {name}: cannot run at W=1: {results[name]['error'][:120]}",
@@ -164,6 +170,9 @@ def _worker(rank: int, world: int, names: list[str], blocks: int, rounds: int, d
         ratio = f", {results[name]['mean_s'] / baseline:.2f}x {names[0]}" if baseline else ""
         print(f"[step_cost] {number}/{len(names)} {name}: {results[name]['mean_s']:.4f} s/step{ratio} "
               f"({time.perf_counter() - began:.0f} s so far)", flush=True)
+        if sync is not None:  # the learner leaves; its synchronizer ends
+            optimizer.finish()
+            sync.__exit__(None, None, None)
         del model, optimizer, grads, bucket
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -52,7 +52,7 @@ from lowcomm.strategies import STRATEGIES
 from lowcomm.units import parse_bandwidth
 
 # the synchronous and local-update methods issue 47 compares, each with its quickstart settings
-METHODS = ("adamw_ddp", "diloco", "streaming_diloco", "eager_diloco", "noloco")
+METHODS = ("adamw_ddp", "diloco", "streaming_diloco", "eager_diloco", "noloco", "decoupled_diloco", "async_diloco")
 
 
 def _label(method: str) -> str:
@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     carried: dict[str, dict[str, int]] = {method: {} for method in args.methods}
     shaped: dict[str, str] = {}
     started = time.perf_counter()
-    with Nodes(args.nodes, 1) as topology:
+    # the methods of learners' synchronizer on a node of its own, its veth at the others' rate
+    learners = any(STRATEGIES[method].learners for method in args.methods)
+    with Nodes(args.nodes, 1, synchronizer_node=learners) as topology:
         namespaces = topology.namespaces()
         for case in cases:
             print(f"[stragglers] {case}", flush=True)

@@ -124,14 +124,23 @@ def _lowcomm_loop(run):
     """lowcomm's own loop over the run: rank 0's tokens/s of its second (warm) logged window,
     NaN elsewhere, and the Trainer, still open and warm."""
     from lowcomm.distenv import DistEnv
+    from lowcomm.launch.local import prepare_run_dir, start_synchronizer
     from lowcomm.train.loop import Trainer
     from lowcomm.train.metrics import read_metrics
+    from lowcomm.train.synchronizer import uses_synchronizer
 
     world = torch.distributed.get_world_size()
     # as the local launcher sets it: one node, so the Trainer takes cores / W threads per worker
     env = DistEnv(torch.distributed.get_rank(), world, torch.distributed.get_rank(), world)
-    trainer = Trainer(run, env)
-    trainer.fit()
+    synchronizer = None
+    if uses_synchronizer(run) and env.rank == 0:  # learners: their synchronizer first, as the launcher starts it
+        synchronizer = start_synchronizer(run, prepare_run_dir(run))
+    try:
+        trainer = Trainer(run, env)
+        trainer.fit()
+    finally:
+        if synchronizer is not None:
+            synchronizer.stop()
     if trainer.comm.rank != 0:
         return float("nan"), trainer
     records = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "perf/tokens_per_s" in r]

@@ -65,7 +65,14 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from netns import NODE_INTERFACE, limit_rate, loopback_tx_bytes, network_namespace, node_network
+from netns import (
+    NODE_INTERFACE,
+    limit_rate,
+    loopback_tx_bytes,
+    network_namespace,
+    node_network,
+    start_synchronizer_on,
+)
 
 from lowcomm.comm.meter import ring_inter_node_share
 from lowcomm.config import validate
@@ -76,6 +83,7 @@ from lowcomm.report.figures import FAMILY_MARKERS, run_colors
 from lowcomm.report.runs import load_run
 from lowcomm.report.wallclock import CUMULATIVE, Link, compute_seconds_per_step, parse_bandwidth, timeline
 from lowcomm.strategies import STRATEGIES
+from lowcomm.train.synchronizer import uses_synchronizer
 
 WORLD = 4 if (os.cpu_count() or 1) >= 4 else 2  # a core per worker; the quickstart's batch takes 1, 2 or 4
 TARGET = 0.25
@@ -166,12 +174,14 @@ class Nodes:
     A world collective's ring leaves a node from one rank at a time, so that rank has the whole
     veth; FlexDeMo's replicas across nodes send from every rank of a node at once."""
 
-    def __init__(self, nodes: int, ranks_per_node: int):
+    def __init__(self, nodes: int, ranks_per_node: int, *, synchronizer_node: bool = False):
         self.nodes, self.ranks_per_node, self.workers = nodes, ranks_per_node, nodes * ranks_per_node
+        # one more node, the synchronizer's, for the methods of learners (lowcomm.train.synchronizer)
+        self.synchronizer_node = synchronizer_node
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
-        self.network = self._stack.enter_context(node_network(self.nodes, prefix="lcwan"))
+        self.network = self._stack.enter_context(node_network(self.nodes + self.synchronizer_node, prefix="lcwan"))
         # the runs' cluster.link_rate / slow_link_nodes are realised here (train): this process
         # and its workers say so while the nodes exist, and their configs validate
         before = os.environ.get(LINKS_SHAPED_ENV)
@@ -196,6 +206,8 @@ class Nodes:
         return self._shape([bits_per_s] * self.nodes)
 
     def _shape(self, rates: list[float | None]) -> str:
+        if self.synchronizer_node:  # a node like the others: the rate most nodes have
+            rates = [*rates, max((rate for rate in rates if rate is not None), default=None)]
         return "; ".join(f"{node.hostname}: {node.limit_rate(rate) or 'no qdisc'}"
                          for node, rate in zip(self.network, rates, strict=True))
 
@@ -221,8 +233,14 @@ class Nodes:
         run = validate(compose([*overrides, f"cluster.threads_per_worker={threads}"]))
         shaped = self._shape(node_link_rates(run.cluster, self.nodes))
         config_path = prepare_run_dir(run)
-        procs = []
-        for index, node in enumerate(self.network):
+        procs, synchronizer = [], None
+        if uses_synchronizer(run):  # learners: their synchronizer first, on its own node
+            if not self.synchronizer_node:
+                raise ValueError(f"optimizer={run.optimizer_name} needs a synchronizer node: Nodes(..., "
+                                 "synchronizer_node=True)")
+            synchronizer = start_synchronizer_on(self.network[-1], config_path, run.run_dir,
+                                                 {**os.environ, "OMP_NUM_THREADS": "1"})
+        for index, node in enumerate(self.network[:self.nodes]):
             for local in range(self.ranks_per_node):
                 env = {**os.environ, "RANK": str(index * self.ranks_per_node + local), "WORLD_SIZE": str(self.workers),
                        "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
@@ -231,6 +249,7 @@ class Nodes:
                 procs.append(subprocess.Popen(node.command([sys.executable, "-m", "lowcomm.train.worker",
                                                             str(config_path)]),
                                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs += [synchronizer] if synchronizer is not None else []  # (it ends after its learners)
         outputs = [proc.communicate(timeout=3600)[0] for proc in procs]
         failed = [out[-3000:] for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
         if failed:
@@ -241,6 +260,13 @@ class Nodes:
         """The shaped veth as the model sees it, its framing per message measured: (bytes every
         veth carried - what the comm table says crosses) / the messages that cross (a world
         collective's nodes/W, FlexDeMo's inter scope); and the ranks that share it."""
+        if run.summary and "learner" in run.summary:
+            # learners: each one's sends cross its veth, and what the synchronizer sends it the
+            # synchronizer's (about a frame back for each frame out)
+            crossing = self.workers * (run.summary["sent_bytes"] + run.summary["received_bytes"])
+            crossing_messages = 2 * self.workers * _cumulative(run, "messages")
+            framing = max(0.0, carried - crossing) / max(crossing_messages, 1)
+            return Link(name, bits_per_s, 0.0, framing_bytes=framing), self.ranks_per_node
         share = ring_inter_node_share(self.workers, self.ranks_per_node)
         inter, inter_messages = _cumulative(run, "inter_tx"), _cumulative(run, "inter_messages")
         world = _cumulative(run, "tx") - _cumulative(run, "intra_tx") - inter

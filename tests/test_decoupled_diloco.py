@@ -228,7 +228,7 @@ def test_two_learner_processes_train_against_a_synchronizer_process_and_the_byte
     sizes = [sum(list(model.parameters())[i].numel() * 4 for i in fragment) for fragment in fragments]
     offered = (STEPS // H) * sum(sizes)
     assert all(lr["payload"] == offered for lr in learners)
-    received, sent = (synchronizer["breakdown"][f"sync/world/{kind}"] for kind in ("push", "pull"))
+    received, sent = (synchronizer["breakdown"][f"{SYNC}/world/{kind}"] for kind in ("push", "pull"))
     assert received["payload"] == 2 * offered
     assert sent["payload"] == 2 * offered  # every merge to both learners, the last ones as they left
     # fragment 0's last merge came as the learners left (they hold it); fragment 1's (taken at

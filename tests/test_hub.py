@@ -9,13 +9,16 @@ import json
 import pytest
 import torch
 
-from lowcomm.comm.hub import SYNC, Hub, HubClosed, HubLink, frame, frame_size, read_message
+from lowcomm.comm.hub import CONTROL, SYNC, Hub, HubClosed, HubLink, frame, frame_size, read_message
 from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
 
 
 def _sizes(meter: CommMeter) -> dict[str, int]:
-    return {kind: meter.cumulative_bytes(kind, purpose=SYNC) for kind in ("payload", "tx", "rx")}
+    """Every byte: the tensors' frames (the method's data) and the frames without tensors (the
+    hellos, the protocol's own: control)."""
+    return {kind: sum(meter.cumulative_bytes(kind, purpose=purpose) for purpose in (SYNC, CONTROL))
+            for kind in ("payload", "tx", "rx")}
 
 
 def test_a_frame_is_its_header_and_tensors_and_reads_back():
@@ -105,8 +108,9 @@ def test_learners_push_and_pull_and_the_bytes_balance():
         assert result["tx"] == hello + rounds * (12 + head + 4000)
         assert result["rx"] == rounds * (12 + head + 4000)
     assert hub_sizes["payload"] == learners * rounds * 4000 * 2  # pushes received and answers sent
-    assert hub.meter.cumulative_bytes("tx", purpose=SYNC) == hub.meter.cumulative_bytes("rx", purpose=SYNC) - \
-        learners * hello
+    # the tensors' frames are the method's data; a hello, the protocol's control
+    assert hub.meter.cumulative_bytes("tx", purpose=SYNC) == hub.meter.cumulative_bytes("rx", purpose=SYNC)
+    assert hub.meter.cumulative_bytes("rx", purpose=CONTROL) == learners * hello
 
 
 def test_a_learner_that_goes_is_seen_by_the_hub_alone_and_the_link_says_when_the_hub_goes():
@@ -131,4 +135,5 @@ def test_a_learner_that_goes_is_seen_by_the_hub_alone_and_the_link_says_when_the
     again.close()
     # learner 0's first link: its hello, and nothing else
     hello = 12 + len(json.dumps({"header": {"learner": 0}, "tensors": []}, separators=(",", ":")).encode())
-    assert meter.cumulative_bytes("tx", purpose=SYNC) == hello and meter.cumulative_bytes("rx", purpose=SYNC) == 0
+    assert meter.cumulative_bytes("tx", purpose=CONTROL) == hello and meter.cumulative_bytes("tx", purpose=SYNC) == 0
+    assert _sizes(meter)["rx"] == 0

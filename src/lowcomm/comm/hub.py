@@ -20,7 +20,8 @@ Sending never blocks the trainer: a learner's :meth:`HubLink.push` queues the fr
 thread of its own, and a thread receives into a queue the learner reads between its steps
 (:meth:`HubLink.take`, :meth:`HubLink.wait_for`). The meter is only ever touched by the caller's
 thread: a push is counted as it is queued (its frame's size is known then), a received message as
-it is taken.
+it is handed to the learner (:meth:`HubLink.take`, :meth:`HubLink.wait_for`), or when the link
+closes with it unread.
 """
 
 from __future__ import annotations
@@ -322,6 +323,9 @@ class HubLink:
             raise HubClosed(f"the synchronizer is gone ({self._connection.send_error})")
 
     def _drain(self, block: bool, timeout: float | None) -> None:
+        """Move what has arrived into the kept list (not yet metered: a message is metered as it
+        is handed out, so that what a learner has taken at a step does not depend on when the
+        bytes happened to arrive)."""
         try:
             _, message, error = self._inbox.get(block=block, timeout=timeout)
         except queue.Empty:
@@ -329,18 +333,24 @@ class HubLink:
         while True:
             if message is None:
                 raise HubClosed(f"the synchronizer is gone ({error})")
-            self.meter.record(PULL, 0, 0, message.nbytes, purpose=purpose_of(message.payload))
             self._kept.append(message)
             try:
                 _, message, error = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def take(self) -> list[Message]:
-        """Every message arrived so far, in order (none: an empty list); never blocks."""
+    def _hand_out(self, messages: list[Message]) -> list[Message]:
+        for message in messages:
+            self.meter.record(PULL, 0, 0, message.nbytes, purpose=purpose_of(message.payload))
+        return messages
+
+    def take(self, wanted: Callable[[Message], bool] | None = None) -> list[Message]:
+        """Every message arrived so far (``wanted``: those it accepts; the others stay), in order;
+        never blocks."""
         self._drain(block=False, timeout=None)
-        kept, self._kept = self._kept, []
-        return kept
+        taken = [m for m in self._kept if wanted is None or wanted(m)]
+        self._kept = [m for m in self._kept if not (wanted is None or wanted(m))]
+        return self._hand_out(taken)
 
     def wait_for(self, wanted: Callable[[Message], bool], timeout_s: float) -> Message:
         """Block until a message that ``wanted`` accepts has arrived and return it (the others
@@ -349,7 +359,7 @@ class HubLink:
         while True:
             for index, message in enumerate(self._kept):
                 if wanted(message):
-                    return self._kept.pop(index)
+                    return self._hand_out([self._kept.pop(index)])[0]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no message from the synchronizer within {timeout_s:.0f} s")
@@ -360,7 +370,7 @@ class HubLink:
         before it), then close; returns the messages that came meanwhile."""
         self.push({"kind": DONE})
         self.wait_for(lambda m: m.header.get("kind") == BYE, timeout_s=timeout_s)
-        came, self._kept = self._kept, []
+        came, self._kept = self._hand_out(self._kept), []
         self.close()
         return came
 
@@ -368,10 +378,12 @@ class HubLink:
         """Leave without a word (a lost learner's way). What arrived and was never taken is
         metered now: it crossed the wire."""
         self._connection.close()
+        kept, self._kept = self._kept, []
+        self._hand_out(kept)
         while True:
             try:
                 _, message, _ = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if message is not None:
-                self.meter.record(PULL, 0, 0, message.nbytes, purpose=purpose_of(message.payload))
+                self._hand_out([message])

@@ -42,7 +42,7 @@ from lowcomm.train.loop import EXIT_DIVERGED, RunDiverged
 from lowcomm.train.metrics import check_resumable
 from lowcomm.train.peers import EXIT_PEERS_LOST
 from lowcomm.train.synchronizer import RECORD as SYNCHRONIZER_RECORD
-from lowcomm.train.synchronizer import SYNCHRONIZER_ENV, uses_synchronizer
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV, SYNCHRONIZER_HOST_ENV, uses_synchronizer
 from lowcomm.train.worker import EXIT_BAD_INPUT, LAUNCHED_LOCALLY, words_file
 
 
@@ -313,15 +313,17 @@ class SynchronizerHandle:
                 return self.process.wait()
 
 
-def start_synchronizer(run: RunConfig, config_path: Path, *, wait_s: float = 120.0) -> SynchronizerHandle | None:
+def start_synchronizer(run: RunConfig, config_path: Path, *, host: str = "127.0.0.1",
+                       wait_s: float = 120.0) -> SynchronizerHandle | None:
     """Where the run's workers are learners around a synchronizer, start it (a process of its
-    own, before them) and wait for its address in the run's record; None otherwise."""
+    own, before them) and wait for its address in the run's record (``host``: the name the
+    learners reach this machine by); None otherwise."""
     if not uses_synchronizer(run):
         return None
     record = Path(run.run_dir) / SYNCHRONIZER_RECORD
     record.unlink(missing_ok=True)  # an earlier launch's
     process = subprocess.Popen([sys.executable, "-m", "lowcomm.train.synchronizer", str(config_path)],
-                               preexec_fn=_die_with_parent)
+                               env={**os.environ, SYNCHRONIZER_HOST_ENV: host}, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

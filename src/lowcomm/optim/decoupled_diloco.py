@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from lowcomm.comm.hub import BYE, DONE, Message
+from lowcomm.comm.hub import BYE, DONE
 from lowcomm.optim.args import Args, raise_argument_errors
 from lowcomm.optim.diloco import InnerOptimizer, outer_direction_
 from lowcomm.optim.streaming_diloco import fragment_errors, fragment_offsets
@@ -333,18 +333,13 @@ class DecoupledLearner(torch.optim.Optimizer):
         self.tokens_since = [0] * len(fragments)
         # fragment -> (the step its next version is waited for at, the version held at its offer)
         self._awaited: dict[int, tuple[int, int]] = {}
-        self._held: list = []  # versions of waited-for fragments that arrived before their step
         self._step_started: float | None = None  # (the first step's time holds the start: not reported)
         self._waited_s = 0.0
         self._said_hello = False
 
     def step(self, closure: Callable[[], float] | None = None):
         if not self._said_hello:  # (after a restore: the versions it holds are its checkpoint's)
-            held = list(self.versions)
-            for message in self._held:  # arrived, to be taken at the step they are due
-                fragment = message.header["fragment"]
-                held[fragment] = max(held[fragment], message.header["version"])
-            self.link.push({"kind": HELLO, "versions": held})
+            self.link.push({"kind": HELLO, "versions": list(self.versions)})
             self._said_hello = True
         loss = self.inner.step(closure)
         self.local_step += 1
@@ -364,15 +359,10 @@ class DecoupledLearner(torch.optim.Optimizer):
                 if self.wait:
                     self._awaited[fragment] = (self.local_step + self.overlap, self.versions[fragment])
         # a version is taken as it arrives; one waited for, at the step it is waited for and not
-        # before (it may arrive early: then when it arrived would decide what trains)
-        self._held += self.link.take()
-        waited = {fragment for fragment, (due, _) in self._awaited.items() if due > self.local_step}
-        held, self._held = self._held, []
-        for message in held:
-            if message.header.get("fragment") in waited:
-                self._held.append(message)
-            else:
-                self._take(message)
+        # before (it may arrive early: then when it arrived would decide what trains, and what
+        # this step metered received): it stays with the link until then
+        for message in self.link.take(lambda m: m.header.get("fragment") not in self._awaited):
+            self._take(message)
         for fragment, (due, offered_at) in list(self._awaited.items()):
             if due > self.local_step:
                 continue
@@ -400,16 +390,13 @@ class DecoupledLearner(torch.optim.Optimizer):
     def finish(self) -> None:
         """Leave the synchronizer (:meth:`~lowcomm.comm.hub.HubLink.leave`): the merges of its
         last offers still come to it, and are taken."""
-        held, self._held = self._held, []  # versions that came before the step they were due at
-        for message in [*held, *self.link.leave(timeout_s=self.wait_timeout_s)]:
+        for message in self.link.leave(timeout_s=self.wait_timeout_s):
             self._take(message)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "versions": list(self.versions),
                 "steps_since": list(self.steps_since), "tokens_since": list(self.tokens_since),
-                "awaited": {str(f): list(due) for f, due in self._awaited.items()},
-                # versions that arrived before the step they are due at (received once: kept)
-                "held": [{"header": m.header, "tensors": [t.clone() for t in m.tensors]} for m in self._held]}
+                "awaited": {str(f): list(due) for f, due in self._awaited.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
@@ -419,4 +406,3 @@ class DecoupledLearner(torch.optim.Optimizer):
         self.steps_since, self.tokens_since = list(state["steps_since"]), list(state["tokens_since"])
         # the versions it waits for: one that arrives after the resume is taken at the step it was due at
         self._awaited = {int(f): (int(due), int(at)) for f, (due, at) in state.get("awaited", {}).items()}
-        self._held = [Message(dict(m["header"]), [t.clone() for t in m["tensors"]], 0) for m in state.get("held", [])]

@@ -206,6 +206,12 @@ def comm_overlap(run: RunRecord) -> float:
     return strategy.comm_overlap(cfg, int(parameters), run.config.get("compression"))
 
 
+def waits_for_slowest(run: RunRecord) -> bool:
+    """The run's strategy's :meth:`~lowcomm.strategies.base.Strategy.waits_for_slowest`."""
+    strategy, cfg = validate_optimizer(run.config)
+    return strategy.waits_for_slowest(cfg)
+
+
 def compute_seconds_per_step(run: RunRecord) -> float:
     """The run's measured time per step: tokens per step over ``summary.json``'s tokens/s (which
     times ``train_step`` alone), else the mean of its logged ``perf/step_s`` windows."""
@@ -235,6 +241,8 @@ def timeline(run: RunRecord, link: Link, *, intra: Link = INTRA_NODE, ranks_per_
     per step), so each step's compute is the slowest worker's."""
     if not slowdown >= 1:
         raise ValueError(f"a slowdown is a factor >= 1, got {slowdown}")
+    if not waits_for_slowest(run):  # a learner on its own clock: the slow one slows only itself
+        slowdown = 1.0
     compute = (compute_seconds_per_step(run) if compute_s is None else compute_s) * slowdown
     out = Timeline(run, link, compute, comm_overlap(run) if overlap is None else overlap)
     records = [r for r in run.metrics if "comm/cum_tx_MB" in r]

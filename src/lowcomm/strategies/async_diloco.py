@@ -65,6 +65,16 @@ class AsyncDiLoCoStrategy(LearnerStrategy):
     mid_period = ("optimizer.sync_every=2", "optimizer.dynamic_local_steps=false", "cluster.workers=1")
     cycle = Cycle(2, "optimizer.sync_every=2", "optimizer.dynamic_local_steps=false")
 
+    @classmethod
+    def waits_for_slowest(cls, cfg: AsyncDiLoCoConfig) -> bool:  # noqa: ARG003
+        """No: a learner waits for the synchronizer's reply to its own push alone."""
+        return False
+
+    @classmethod
+    def comm_overlap(cls, cfg: AsyncDiLoCoConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
+        """0: a learner waits for the reply to its push (the global parameters) before its next round."""
+        return 0.0
+
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, AsyncLearner]:
         params = trainable_parameters(model)
         inner = functools.partial(adamw, model, self.cfg)

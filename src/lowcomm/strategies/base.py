@@ -383,6 +383,13 @@ class Strategy:
         return 0.0
 
     @classmethod
+    def waits_for_slowest(cls, cfg: StrategyConfig) -> bool:  # noqa: ARG003
+        """Does a worker wait for the slowest worker (at every step, or at its exchanges for the
+        steps of lateness gathered since), so that a slow worker sets everyone's pace in the
+        wall-clock model? True for every collective; a learner on its own clock says no."""
+        return True
+
+    @classmethod
     def report_lag(cls, cfg: StrategyConfig) -> int:  # noqa: ARG003
         """How many step boundaries the loop may wait before it reads a boundary's agreement
         (stop, divergence, logged losses: :mod:`lowcomm.train.boundary`): the steps this

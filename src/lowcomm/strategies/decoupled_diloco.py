@@ -81,6 +81,19 @@ class DecoupledDiLoCoStrategy(LearnerStrategy):
     cycle = Cycle(4, "optimizer.sync_every=4", "optimizer.num_fragments=2", "optimizer.quorum=0",
                   "optimizer.wait=true")
 
+    @classmethod
+    def waits_for_slowest(cls, cfg: DecoupledDiLoCoConfig) -> bool:
+        """Only where a learner waits for merges that wait for every learner (``wait`` under
+        ``quorum: 0``)."""
+        return cfg.wait and cfg.quorum == 0
+
+    @classmethod
+    def comm_overlap(cls, cfg: DecoupledDiLoCoConfig, parameters: int, compression=None) -> float:  # noqa: ARG003
+        """All of it without ``wait`` (offers sent, merges received by threads of their own);
+        with it, a fragment's round trip runs behind the ``overlap`` steps before its wait (as
+        Streaming DiLoCo's)."""
+        return min(1.0, cfg.overlap * cfg.num_fragments / cfg.sync_every) if cfg.wait else 1.0
+
     def build(self, model: torch.nn.Module) -> tuple[torch.nn.Module, DecoupledLearner]:
         params = trainable_parameters(model)
         fragments = [[params[i] for i in fragment] for fragment in fragment_indices(model, self.cfg.num_fragments)]

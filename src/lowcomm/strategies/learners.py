@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from lowcomm.comm.hub import HubLink, frame_overhead
+from lowcomm.comm.hub import Hub, HubLink, frame_overhead
 from lowcomm.comm.meter import WireBytes
 from lowcomm.strategies.base import Strategy, StrategyConfig, parameter_bytes, trainable_parameters
 
@@ -126,8 +126,6 @@ class LocalSynchronizer:
 
     def __init__(self, strategy: type[LearnerStrategy], cfg: StrategyConfig, model: torch.nn.Module, *,
                  learners: int, wait_s: float = 120.0):
-        from lowcomm.comm.hub import Hub
-
         self.role = strategy.make_synchronizer(cfg, model, learners)
         self.hub = Hub("127.0.0.1", 0)
         self.address = f"127.0.0.1:{self.hub.port}"

@@ -248,7 +248,8 @@ class CheckpointManager:
         root = self.root if root is None else root
         steps: list[int] = []
         if self.comm.rank == 0:
-            for leftover in root.glob(".tmp_step_*") if root.is_dir() else ():
+            # (only in its own: another worker's may be writing one now)
+            for leftover in root.glob(".tmp_step_*") if root == self.root and root.is_dir() else ():
                 log.warning("removing %s, a checkpoint whose writing was interrupted", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
             steps = [int(path.name.split("_")[1]) for path in list_checkpoints(root)]

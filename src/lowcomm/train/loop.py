@@ -508,6 +508,10 @@ class Trainer:
             **({"fault_tolerance": "torchft", "replica": self.group.replica,
                 "heal_tx_MB": meter.cumulative_bytes("tx", purpose="heal") / 1e6,
                 "heal_rx_MB": meter.cumulative_bytes("rx", purpose="heal") / 1e6} if self.group is not None else {}),
+            # a learner's whole exchange with its synchronizer, its hellos and goodbyes too
+            **({"learner": self.learner, "sent_bytes": sum(meter.cumulative_bytes("tx", purpose=p) for p in ("data", "control")),
+                "received_bytes": sum(meter.cumulative_bytes("rx", purpose=p) for p in ("data", "control"))}
+               if self.learner is not None else {}),
             "parameters": self.n_params,
             "steps": final_step,
             "tokens": final_step * train.global_batch_size * train.seq_len,
@@ -570,6 +574,9 @@ class Trainer:
         is still registered, give the threads the GIL once, then destroy the group."""
         if self.group is not None:
             self.group.close()
+        if self.learner is not None:  # a learner made no process group (one there is its caller's)
+            self.peers.close()
+            return
         if not dist.is_initialized():
             return
         self.comm.barrier()

@@ -13,7 +13,7 @@ sent and received to the same record and exits.
 a learner made after step S, where S is a checkpoint step of the run (``train.checkpoint_every``,
 and the last step), it saves its state as of S (``RUN_DIR/synchronizer/step_<S>.pt``, written
 atomically, the newest ``train.keep_checkpoints`` kept), and once every learner is done, as of
-the last step. Started again, it loads the state saved at the step the learners resume from (the
+the step they ended at (the last, or a stop's). Started again, it loads the state saved at the step the learners resume from (the
 oldest of their newest checkpoints). Where every merge holds every learner's contribution of the
 same step (Decoupled DiLoCo under ``quorum: 0``, or one learner) merges happen in step order, so
 that state is exactly the one the learners' checkpoints of step S met, and the run resumes bit for
@@ -40,6 +40,7 @@ from lowcomm.train.checkpoint import CheckpointError, _atomic_save, step_dir_nam
 from lowcomm.train.replicas import replica_run_dir
 
 SYNCHRONIZER_ENV = "LOWCOMM_SYNCHRONIZER"
+SYNCHRONIZER_HOST_ENV = "LOWCOMM_SYNCHRONIZER_HOST"  # the name its learners reach it by (default 127.0.0.1)
 RECORD = "synchronizer.json"
 STATE_DIR = "synchronizer"
 
@@ -76,6 +77,13 @@ def state_path(run: RunConfig, step: int) -> Path:
     return Path(run.run_dir) / STATE_DIR / f"{step_dir_name(step)}.pt"
 
 
+def launch_tag() -> str:
+    """Which launch a record belongs to: under SLURM the job and its restart (a requeued job's
+    learners must not take its last attempt's address), else empty."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{job}.{os.environ.get('SLURM_RESTART_COUNT', '0')}" if job else ""
+
+
 def synchronizer_address(run_dir: Path, wait_s: float = 0.0) -> str:
     """The run's synchronizer: ``$LOWCOMM_SYNCHRONIZER``, else its record, waited for at most ``wait_s``."""
     if address := os.environ.get(SYNCHRONIZER_ENV):
@@ -85,7 +93,7 @@ def synchronizer_address(run_dir: Path, wait_s: float = 0.0) -> str:
     while True:
         try:
             found = json.loads(record.read_text())
-            if "address" in found and "finished" not in found:
+            if "address" in found and "finished" not in found and found.get("launch") == launch_tag():
                 return str(found["address"])
         except (OSError, ValueError):
             pass
@@ -141,7 +149,8 @@ class SynchronizerProcess:
     def record(self, **fields) -> None:
         write_json_atomic(Path(self.run.run_dir) / RECORD, {
             "address": self.address, "pid": os.getpid(), "learners": self.learners,
-            "method": self.run.strategy_class.name, "resumed_from": self.resumed_from, **fields})
+            "method": self.run.strategy_class.name, "resumed_from": self.resumed_from, "launch": launch_tag(),
+            **fields})
 
     def serve(self) -> dict:
         """Serve until every learner is done; returns the record's final fields."""
@@ -149,8 +158,13 @@ class SynchronizerProcess:
         started = time.monotonic()
         self.role.serve(self.hub, learners=self.learners, before=self._before,
                         idle_timeout_s=self.run.cluster.collective_timeout_s)
-        for step in self.due:  # every learner is done: the state is the last step's
-            self._save(step)
+        # every learner is done: the state is that of the step they ended at (their newest
+        # checkpoints, the last step or a stop's), which a rerun resumes from
+        ended = resume_step(self.run)
+        while self.due and self.due[0] <= ended:
+            self._save(self.due.pop(0))
+        if ended and not state_path(self.run, ended).is_file():
+            self._save(ended)
         self.hub.close()
         totals = {kind: self.meter.cumulative_bytes(kind) for kind in ("payload", "tx", "rx")}
         control = {kind: self.meter.cumulative_bytes(kind, purpose="control") for kind in ("tx", "rx")}
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run = validate(load_run_config(argv[0]))
     try:
-        process = SynchronizerProcess(run, advertise=os.environ.get("LOWCOMM_SYNCHRONIZER_HOST", "127.0.0.1"))
+        process = SynchronizerProcess(run, advertise=os.environ.get(SYNCHRONIZER_HOST_ENV, "127.0.0.1"))
     except CheckpointError as exc:
         print(f"[lowcomm] synchronizer: {exc}", file=sys.stderr, flush=True)
         return 1

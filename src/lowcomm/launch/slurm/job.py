@@ -26,7 +26,7 @@ import submitit
 from lowcomm.comm.ft import FT_RECORD
 from lowcomm.config import load_run_config, validate
 from lowcomm.distenv import DistEnv, setup_distributed_from_slurm
-from lowcomm.launch.local import replica_lighthouse
+from lowcomm.launch.local import replica_lighthouse, start_synchronizer
 from lowcomm.launch.slurm.queue import PENDING_STATES, RUNNING_STATES
 from lowcomm.train.loop import RunDiverged, train
 from lowcomm.train.peers import EXIT_PEERS_LOST, PeersLost
@@ -114,7 +114,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
             run = validate(load_run_config(self.config_path))
             watch_sigterm(term, rank, run.run_dir)
             # either flag stops the run; the loop honours both where it leaves (a SIGTERM's deadline)
-            result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
+            # a method of learners: their synchronizer, started by the job's first rank on its node
+            synchronizer = start_synchronizer(run, Path(self.config_path), host=socket.gethostname()) \
+                if rank == 0 else None
+            try:
+                result = train(run, DistEnv.from_environ(), should_stop=AnyStop(stop, term))
+            finally:
+                if synchronizer is not None:
+                    synchronizer.stop()
         except PeersLost as lost:
             if term.requested:  # the job is ending anyway: no requeue from here
                 if lost.reports:
