@@ -9,7 +9,7 @@ Every byte a learner sends goes over its veth to the synchronizer's, and back: s
 veth's tx is what the node's process metered sent (a learner's ``sent_bytes`` in its
 summary.json, the synchronizer's in synchronizer.json), plus TCP/IP's framing and ACKs.
 
-    sudo .venv/bin/python benchmarks/learners_wire.py                 # 2 learners, 12 steps, both methods
+    sudo .venv/bin/python benchmarks/learners_wire.py                 # 2 learners, 20 steps, both methods
     sudo .venv/bin/python benchmarks/learners_wire.py --nodes 4 --steps 20 --json out.json
 """
 
@@ -56,8 +56,9 @@ def run(nodes_count: int, steps: int, methods=METHODS) -> dict:
             hub = start_synchronizer_on(hub_node, config, run_cfg.run_dir, env)
             procs = []
             for rank, node in enumerate(learners):
+                # as torchrun sets it (a learner makes no process group: the rendezvous goes unused)
                 learner_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nodes_count), "LOCAL_RANK": "0",
-                               "LOCAL_WORLD_SIZE": "1"}
+                               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": learners[0].hostname, "MASTER_PORT": "29763"}
                 procs.append(subprocess.Popen(node.command([sys.executable, "-m", "lowcomm.train.worker", str(config)]),
                                               env=learner_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               text=True))
@@ -100,7 +101,7 @@ def format_report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2, help="learner nodes (default 2), one synchronizer node beside")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20, help="steps of each run (default 20: two rounds at H = 10)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)

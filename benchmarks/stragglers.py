@@ -14,8 +14,9 @@ method's quickstart settings, in four cases:
 For each it measures the wall time to ``--target-loss`` (the first validation at or below it;
 default: the highest of the equal runs' best validation losses, which every method reaches) and
 the validation loss at a fixed wall time (the method's equal run's whole time), and predicts the
-time to the target with ``lowcomm.report.wallclock``: the unshaped run's compute (x the slowdown
-in the slow-compute case: every method here waits for its slowest worker at its exchanges), plus
+time to the target with ``lowcomm.report.wallclock``: each run's steps placed in time from the
+unshaped run's compute (x the slowdown in the slow-compute case for every method that waits for
+its slowest worker at its exchanges; a learner of Decoupled or asynchronous DiLoCo does not), plus
 the run's metered traffic on the link (in the slow-link case the slow node's: a ring collective
 goes at its slowest hop), its framing per message measured from the veths' kernel counters. The
 target is a prediction within 25 %.
@@ -158,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             run = own[case]
             rate = recorded_link_bps(run)  # the run's own record of its links: the slowest node's
             link, ranks_per_link = topology.link(case, rate, run, carried[method][case])
-            predicted = timeline(own["unshaped"], link, intra=IN_THE_COMPUTE, ranks_per_link=ranks_per_link,
+            # the case's own run placed in time from the unshaped run's compute: its traffic and its
+            # losses step by step (the same as the unshaped run's for every method whose training
+            # does not depend on arrival times; the learners' does)
+            predicted = timeline(run, link, intra=IN_THE_COMPUTE, ranks_per_link=ranks_per_link,
                                  compute_s=compute, slowdown=args.slowdown if case == "slow compute" else 1.0)
             measured_s = _time_to(target, *measured_times(run), run)
-            predicted_s = _time_to(target, predicted.steps, predicted.seconds, own["unshaped"])
+            predicted_s = _time_to(target, predicted.steps, predicted.seconds, run)
             entries[case] = {
                 "measured_s": measured_s, "predicted_s": predicted_s,
                 "error": None if not measured_s or predicted_s is None else predicted_s / measured_s - 1,

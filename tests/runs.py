@@ -15,7 +15,6 @@ import torch
 
 from lowcomm.comm import Communicator
 from lowcomm.comm.ft import LIGHTHOUSE_ENV
-from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
 from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
@@ -24,6 +23,7 @@ from lowcomm.launch.local import prepare_run_dir, replica_lighthouse, start_sync
 from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
 
 # Small enough for 2 cores: a handful of steps of the tiny model on a small synthetic corpus.
 TINY = [

@@ -198,7 +198,6 @@ def test_every_strategy_meters_what_the_table_predicts_and_balances(name):
     tensors actually sent)."""
     from lowcomm.comm.spawn import spawn_workers
     from lowcomm.report.comm_table import measure
-
     from lowcomm.strategies import STRATEGIES
 
     with _served(name, list(STRATEGIES[name].cycle.overrides)) as hub:

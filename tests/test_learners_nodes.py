@@ -34,7 +34,7 @@ def _root():
 def test_each_nodes_veth_carries_what_its_learner_or_synchronizer_metered():
     from learners_wire import METHODS, run
 
-    result = run(nodes_count=2, steps=8)
+    result = run(nodes_count=2, steps=20)
     assert set(result["methods"]) == set(METHODS) == {"decoupled_diloco", "async_diloco"}
     for method, figures in result["methods"].items():
         nodes = figures["per_node"]

@@ -110,6 +110,10 @@ class LearnerStrategy(Strategy):
         return 0.0, 3 * parameter_bytes(model)
 
 
+def _no_snapshots(step: int) -> None:  # noqa: ARG001 - the serving loop's hook, unused in a thread
+    """A synchronizer in a thread saves no state (the harness's process does)."""
+
+
 class LocalSynchronizer:
     """A synchronizer served by a thread of this process, for a loop of one's own or a test (the
     harness runs it as a process: :mod:`lowcomm.train.synchronizer`)::
@@ -131,7 +135,7 @@ class LocalSynchronizer:
         self.address = f"127.0.0.1:{self.hub.port}"
         self.wait_s = wait_s
         self._thread = threading.Thread(target=self.role.serve, name="synchronizer", daemon=True, kwargs=dict(
-            hub=self.hub, learners=learners, before=lambda step: None, idle_timeout_s=wait_s))
+            hub=self.hub, learners=learners, before=_no_snapshots, idle_timeout_s=wait_s))
 
     def __enter__(self) -> LocalSynchronizer:
         self._thread.start()

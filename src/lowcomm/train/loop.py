@@ -35,7 +35,12 @@ from lowcomm.train.peers import PeerTable
 from lowcomm.train.replicas import ReplicaGroup, group_place, own_run_dir
 from lowcomm.train.schedule import apply_lr, lr_multiplier
 from lowcomm.train.slowdown import Slowdown
-from lowcomm.train.synchronizer import learner_dir, learners_with_checkpoints, synchronizer_address, uses_synchronizer
+from lowcomm.train.synchronizer import (
+    learner_dir,
+    learners_with_checkpoints,
+    synchronizer_address,
+    uses_synchronizer,
+)
 
 log = logging.getLogger("lowcomm.train")
 
