@@ -16,7 +16,7 @@ import torch
 from lowcomm.comm.hub import SYNC, Hub, HubLink
 from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
-from lowcomm.optim.decoupled_diloco import GLOBAL, OFFER, FragmentSynchronizer, serve
+from lowcomm.optim.decoupled_diloco import GLOBAL, HELLO, OFFER, FragmentSynchronizer, serve
 
 LR, MU = 0.5, 0.9
 
@@ -82,6 +82,7 @@ def _learner(rank: int, world: int, address: str, late: bool) -> list[tuple[int,
     ``late``, rank 1 only once the first merge has reached it), then take the global fragments
     the synchronizer sends until the one after its own offer; leave."""
     link = HubLink(address, learner=rank, meter=CommMeter())
+    link.push({"kind": HELLO, "versions": [0]})  # what a DecoupledLearner says first: it holds version 0
     received = []
 
     def next_global():
@@ -90,7 +91,7 @@ def _learner(rank: int, world: int, address: str, late: bool) -> list[tuple[int,
         return message.header["version"]
 
     if late and rank == 1:
-        next_global()  # version 1: broadcast to it, or sent to it as it joined
+        next_global()  # version 1: broadcast to it, or sent to it in answer to its hello
     mine = torch.tensor([-2.0, 0.0]) if rank == 0 else torch.tensor([0.0, -2.0])
     link.push({"kind": OFFER, "fragment": 0, "tokens": 100, "steps": 1 if rank == 0 else 4, "step_s": 0.01}, [mine])
     next_global()

@@ -179,7 +179,10 @@ def test_every_optimizer_states_how_much_of_its_traffic_compute_can_hide(point):
     # whole step of compute, whatever the model.
     # Eager DiLoCo: the dense all-reduce of one outer step is waited for at the next, H steps
     # later: in flight during every step's compute, 1
-    expected = {"streaming_diloco": 1 / 10, "noloco": 0.0, "distro": 1.0, "eager_diloco": 1.0}
+    # Decoupled DiLoCo: offers sent and merges received by threads of their own, never waited for
+    # (wait: false): 1. Asynchronous DiLoCo: a learner waits for the reply to its push: 0
+    expected = {"streaming_diloco": 1 / 10, "noloco": 0.0, "distro": 1.0, "eager_diloco": 1.0,
+                "decoupled_diloco": 1.0}
     # DDP: the tiny model's 155,648 fp32 gradients (0.6 MB) fit one 25 MiB bucket, sent after
     # the backward: nothing overlaps. OLMo-300M's 319,946,752 (1,279,787,008 B) fill 49 buckets
     # (48.8 x 26,214,400 B): all but the last behind the backward's 2/3 of the step

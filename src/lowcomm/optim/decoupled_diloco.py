@@ -240,6 +240,7 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
     finishing: set[int] = set()  # said DONE, with an offer still to merge: counted until it is merged
     round_started: dict[int, float] = {}  # fragment -> its round's first offer
     deadline: dict[int, float] = {}  # fragment -> when its grace window closes
+    given: dict[tuple[int, int], int] = {}  # (learner, fragment) -> the newest version sent to it
     last_message = time.monotonic()
     while len(done) < learners:
         now = time.monotonic()
@@ -252,13 +253,17 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
             if time.monotonic() - last_message > idle_timeout_s:
                 break
         kind = None if message is None else message.header.get("kind", "joined" if "joined" in message.header else None)
-        if kind == HELLO:
+        if kind == "joined":  # a connection anew (a learner started again): it holds what its hello says
+            given = {key: v for key, v in given.items() if key[0] != learner}
+        elif kind == HELLO:
             # a learner (re)starting takes the global fragments merged since the versions it holds
             # before it offers: its outer gradient is then against them, not against what it
             # started from (one that resumes where the synchronizer's state was saved is sent none)
             held = list(message.header.get("versions", []))
             for fragment, version in enumerate(synchronizer.versions):
-                if version > (held[fragment] if fragment < len(held) else 0):
+                # (nor one it was sent already: a merge after it connected, before its hello)
+                if version > max(held[fragment] if fragment < len(held) else 0, given.get((learner, fragment), 0)):
+                    given[learner, fragment] = version
                     hub.send(learner, {"kind": GLOBAL, "fragment": fragment, "version": version},
                              [synchronizer.parameters[i] for i in synchronizer.fragments[fragment]])
         elif kind == OFFER:
@@ -291,6 +296,7 @@ def serve(hub, synchronizer: FragmentSynchronizer, *, learners: int, overlap_ste
                 before_merge(max(o.step for o in synchronizer.offers[fragment].values()))
             version, tensors = synchronizer.merge(fragment)
             for m in connected:
+                given[m, fragment] = version
                 hub.send(m, {"kind": GLOBAL, "fragment": fragment, "version": version}, tensors)
             timings.saw_sync(time.monotonic() - now)
             del deadline[fragment], round_started[fragment]

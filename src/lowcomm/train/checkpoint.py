@@ -239,12 +239,14 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     # --------------------------------------------------------------- restore
-    def restore_latest(self, model, optimizer, *, root: Path | None = None) -> Restored | None:
+    def restore_latest(self, model, optimizer, *, root: Path | None = None,
+                       at_most: int | None = None) -> Restored | None:
         """Load the newest usable checkpoint into model/optimizer/RNG/meter; None when the run
         has none. Rank 0 chooses the candidates (every rank tries the same ones, in order); a
         run whose checkpoints are all unusable stops with CheckpointError listing them.
         ``root``: another worker's checkpoints to resume from (a learner that has none of its
-        own); saves still go to this run's."""
+        own); saves still go to this run's. ``at_most``: the newest of step ``at_most`` or before
+        (that other worker may be writing newer ones meanwhile)."""
         root = self.root if root is None else root
         steps: list[int] = []
         if self.comm.rank == 0:
@@ -253,6 +255,7 @@ class CheckpointManager:
                 log.warning("removing %s, a checkpoint whose writing was interrupted", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
             steps = [int(path.name.split("_")[1]) for path in list_checkpoints(root)]
+            steps = [step for step in steps if at_most is None or step <= at_most]
         steps = self.comm.share(steps)
         found = []
         for step in steps:

@@ -39,6 +39,7 @@ from lowcomm.train.synchronizer import (
     learner_dir,
     learners_with_checkpoints,
     synchronizer_address,
+    synchronizer_resumed_from,
     uses_synchronizer,
 )
 
@@ -430,9 +431,13 @@ class Trainer:
         (:meth:`~lowcomm.strategies.learners.LearnerStrategy.elastic_rule`)."""
         if self.learner is None:
             return self.checkpoints.restore_latest(self.model, self.optimizer)
-        written = learners_with_checkpoints(self.run.run_dir)
+        # as the synchronizer found them before this launch's learners started (a peer may be
+        # writing newer checkpoints by now)
+        recorded = synchronizer_resumed_from(self.run.run_dir)
+        resumed_from, written = recorded if recorded else (None, learners_with_checkpoints(self.run.run_dir))
         source = self.learner if self.learner < written or not written else self.learner % written
-        restored = self.checkpoints.restore_latest(self.model, self.optimizer,
+        at_most = None if source == self.learner else resumed_from
+        restored = self.checkpoints.restore_latest(self.model, self.optimizer, at_most=at_most,
                                                    root=RunDir(learner_dir(self.run, source)).checkpoints)
         if restored is not None and written != self.world_size:
             restored.written_by, restored.elastic_rule = written, self.strategy.elastic_rule(written)

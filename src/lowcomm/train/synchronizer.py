@@ -73,6 +73,17 @@ def resume_step(run: RunConfig) -> int:
     return min(newest, default=0)
 
 
+def synchronizer_resumed_from(run_dir: Path) -> tuple[int, int] | None:
+    """(the step the run's synchronizer resumed from, how many learners had checkpoints then), by
+    its record, written before any learner of this launch started (None: no record). A learner
+    that counted for itself could count a peer's first checkpoint of this launch."""
+    try:
+        found = json.loads((Path(run_dir) / RECORD).read_text())
+        return int(found["resumed_from"]), int(found["learners_with_checkpoints"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def state_path(run: RunConfig, step: int) -> Path:
     return Path(run.run_dir) / STATE_DIR / f"{step_dir_name(step)}.pt"
 
@@ -118,6 +129,7 @@ class SynchronizerProcess:
         every = train.checkpoint_every or train.max_steps
         self.due = sorted({*range(every, train.max_steps + 1, every), train.max_steps})
         self.resumed_from = resume_step(run)
+        self.written_by = learners_with_checkpoints(run.run_dir)
         if self.resumed_from:
             path = state_path(run, self.resumed_from)
             if not path.is_file():
@@ -149,7 +161,8 @@ class SynchronizerProcess:
     def record(self, **fields) -> None:
         write_json_atomic(Path(self.run.run_dir) / RECORD, {
             "address": self.address, "pid": os.getpid(), "learners": self.learners,
-            "method": self.run.strategy_class.name, "resumed_from": self.resumed_from, "launch": launch_tag(),
+            "method": self.run.strategy_class.name, "resumed_from": self.resumed_from,
+            "learners_with_checkpoints": self.written_by, "launch": launch_tag(),
             **fields})
 
     def serve(self) -> dict:
