@@ -26,7 +26,7 @@ import torch
 
 from lowcomm.comm.hub import BYE, DONE
 from lowcomm.optim.args import Args
-from lowcomm.optim.diloco import InnerOptimizer
+from lowcomm.optim.diloco import InnerOptimizer, outer_step_errors
 from lowcomm.optim.synchronizer import DelayedNesterov, dynamic_local_steps, seconds_field
 
 __all__ = ["AsyncDiLoCoArgs", "AsyncLearner", "serve_async"]
@@ -49,14 +49,7 @@ class AsyncDiLoCoArgs(Args):
     outer_momentum: float
 
     def errors(self) -> list[str]:
-        errors = super().errors()
-        if self.sync_every < 1:
-            errors.append(f"sync_every must be >= 1, got {self.sync_every}")
-        if not self.outer_lr > 0:
-            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        return errors
+        return super().errors() + outer_step_errors(self.sync_every, self.outer_lr, self.outer_momentum)
 
 PUSH = "push"  # learner -> synchronizer: {kind, steps, step, step_s} + its outer gradient, tensor for tensor
 GLOBAL = "global"  # synchronizer -> learner: {kind, arrivals, local_steps} + the global parameters

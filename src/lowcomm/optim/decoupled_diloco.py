@@ -32,7 +32,7 @@ import torch
 
 from lowcomm.comm.hub import BYE, DONE
 from lowcomm.optim.args import Args, raise_argument_errors
-from lowcomm.optim.diloco import InnerOptimizer, outer_direction_
+from lowcomm.optim.diloco import InnerOptimizer, outer_direction_, outer_step_errors
 from lowcomm.optim.streaming_diloco import fragment_errors, fragment_offsets
 from lowcomm.optim.synchronizer import (
     grace_window_s,
@@ -78,11 +78,8 @@ class DecoupledDiLoCoArgs(Args):
             errors.append(f"quorum must be >= 0 learners (0: every learner), got {self.quorum}")
         if not 0 <= self.grace <= 1:
             errors.append(f"grace must be in [0, 1], got {self.grace}")
-        if not self.outer_lr > 0:
-            errors.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        return errors
+        # (fragment_errors above checks H >= 1 already)
+        return errors + outer_step_errors(max(self.sync_every, 1), self.outer_lr, self.outer_momentum)
 
 
 @dataclass
