@@ -5,11 +5,12 @@ learners and the hub tx equals rx, frame for frame (each frame's size worked out
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from lowcomm.comm.hub import CONTROL, SYNC, Hub, HubClosed, HubLink, frame, frame_size, read_message
+from lowcomm.comm.hub import BYE, CONTROL, SYNC, Hub, HubClosed, HubLink, frame, frame_size, read_message
 from lowcomm.comm.meter import CommMeter
 from lowcomm.comm.spawn import spawn_workers
 
@@ -137,3 +138,26 @@ def test_a_learner_that_goes_is_seen_by_the_hub_alone_and_the_link_says_when_the
     hello = 12 + len(json.dumps({"header": {"learner": 0}, "tensors": []}, separators=(",", ":")).encode())
     assert meter.cumulative_bytes("tx", purpose=CONTROL) == hello and meter.cumulative_bytes("tx", purpose=SYNC) == 0
     assert _sizes(meter)["rx"] == 0
+
+
+def test_what_came_before_the_synchronizer_closed_is_still_handed_out():
+    # The synchronizer answers a learner's DONE with BYE and may close at once: the learner reads
+    # both ends of the stream together, and its leave must see the BYE, not only the close (a
+    # fresh-clone CI run of 9039caa failed two resume tests on exactly that).
+    hub = Hub("127.0.0.1")
+    link = HubLink(f"127.0.0.1:{hub.port}", learner=0, meter=CommMeter())
+    assert hub.next(timeout=10)[1].header == {"joined": 0}
+    hub.send(0, {"kind": "global", "version": 3}, [torch.ones(4)])
+    hub.send(0, {"kind": BYE})
+    hub.close()
+    while link._connection.closed is False:  # the close has reached the learner's reader
+        time.sleep(0.01)
+    bye = link.wait_for(lambda m: m.header.get("kind") == BYE, timeout_s=10)
+    assert bye.header == {"kind": BYE}
+    assert [m.header for m in link.take()] == [{"kind": "global", "version": 3}]
+    # once everything is handed out, the end is said
+    with pytest.raises(HubClosed, match="synchronizer is gone"):
+        link.take()
+    with pytest.raises(HubClosed, match="synchronizer is gone"):
+        link.wait_for(lambda _m: True, timeout_s=10)
+    link.close()

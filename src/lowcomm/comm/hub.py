@@ -303,6 +303,7 @@ class HubLink:
         self._inbox: queue.Queue = queue.Queue()
         self._connection = _Connection(sock, self._inbox, tag=learner).start()
         self._kept: list[Message] = []
+        self._gone: BaseException | str | None = None  # why the connection ended, once it has
 
     def push(self, header: dict, tensors: Sequence[torch.Tensor] = ()) -> int:
         """Queue a message to the synchronizer; returns its frame's size (the tensors are copied
@@ -325,19 +326,28 @@ class HubLink:
     def _drain(self, block: bool, timeout: float | None) -> None:
         """Move what has arrived into the kept list (not yet metered: a message is metered as it
         is handed out, so that what a learner has taken at a step does not depend on when the
-        bytes happened to arrive)."""
+        bytes happened to arrive). The connection's end is noted, not raised: what came before it
+        (a BYE, and the synchronizer closes right after one) is still handed out."""
+        if self._gone is not None:
+            return
         try:
-            _, message, error = self._inbox.get(block=block, timeout=timeout)
+            item = self._inbox.get(block=block, timeout=timeout)
         except queue.Empty:
             return
         while True:
+            _, message, error = item
             if message is None:
-                raise HubClosed(f"the synchronizer is gone ({error})")
+                self._gone = error or "the connection closed"
+                return
             self._kept.append(message)
             try:
-                _, message, error = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _raise_if_gone(self) -> None:
+        if self._gone is not None:
+            raise HubClosed(f"the synchronizer is gone ({self._gone})")
 
     def _hand_out(self, messages: list[Message]) -> list[Message]:
         for message in messages:
@@ -350,6 +360,8 @@ class HubLink:
         self._drain(block=False, timeout=None)
         taken = [m for m in self._kept if wanted is None or wanted(m)]
         self._kept = [m for m in self._kept if not (wanted is None or wanted(m))]
+        if not taken:
+            self._raise_if_gone()
         return self._hand_out(taken)
 
     def wait_for(self, wanted: Callable[[Message], bool], timeout_s: float) -> Message:
@@ -360,6 +372,7 @@ class HubLink:
             for index, message in enumerate(self._kept):
                 if wanted(message):
                     return self._hand_out([self._kept.pop(index)])[0]
+            self._raise_if_gone()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no message from the synchronizer within {timeout_s:.0f} s")
