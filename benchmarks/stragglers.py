@@ -27,9 +27,12 @@ target per case; writes ``summary.md``, ``stragglers.json`` and ``loss_vs_time.p
     sudo .venv/bin/python benchmarks/stragglers.py --nodes 4 --slow-node 3 --slowdown 2 --slow-link 10M
     sudo .venv/bin/python benchmarks/stragglers.py --methods adamw_ddp diloco --steps 40 --out /tmp/s
 
-On a machine with fewer cores than nodes the workers share cores: a slow node's sleep frees its
-core for the others (a slower device would not take it either), and an equal run's compute is
-what the shared cores give. Needs root and iproute2; the namespaces are deleted on exit.
+On a machine with fewer cores than nodes the workers share cores: an equal run's compute is what
+the shared cores give, and a slow node, stretched by ``(F - 1) x`` its step's CPU time, is slower
+on the wall clock by ``1 + (F - 1) x s`` where ``s`` is a worker's share of a core (cores over
+nodes, at most 1: 1.5 for F = 2 with 4 nodes on 2 cores). That is the slowdown the model is given
+(``slowdown_on_the_wall_clock`` in the JSON). What it leaves out: while the slow node sleeps its
+core goes to the others, which then compute faster than the equal run did. Needs root and iproute2; the namespaces are deleted on exit.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ def _overrides(method: str, case: str, args: argparse.Namespace) -> list[str]:
             f"train.log_every={max(1, steps // 20)}", f"train.eval_every={max(1, steps // 10)}",
             f"run_root={args.work / case.replace(' ', '_')}", f"optimizer={method}",
             *STRATEGIES[method].quickstart[0].overrides, *slow, *links]
+
+
+def core_share(workers: int) -> float:
+    """How much of a core each of ``workers`` busy workers gets on this machine (at most one)."""
+    return min(1.0, len(os.sched_getaffinity(0)) / workers)
 
 
 def _time_to(target: float, steps: list[int], seconds: list[float], run) -> float | None:
@@ -150,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {"nodes": args.nodes, "slow_node": args.slow_node, "slowdown": args.slowdown, "link": args.link,
                "slow_link": args.slow_link, "steps": args.steps, "target_loss": target, "shaped": shaped,
                "namespaces": namespaces, "methods": {}}
+    # the slow node's steps on the wall clock: lowcomm stretches a rank by (F - 1) x its step's CPU
+    # time, and a worker that shares a core gets only its share of the wall time as CPU time
+    share = core_share(args.nodes)
+    realised = 1.0 + (args.slowdown - 1.0) * share
+    results.update(core_share=share, slowdown_on_the_wall_clock=realised)
     for method in args.methods:
         own = runs[method]
         compute = compute_seconds_per_step(own["unshaped"])
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             # losses step by step (the same as the unshaped run's for every method whose training
             # does not depend on arrival times; the learners' does)
             predicted = timeline(run, link, intra=IN_THE_COMPUTE, ranks_per_link=ranks_per_link,
-                                 compute_s=compute, slowdown=args.slowdown if case == "slow compute" else 1.0)
+                                 compute_s=compute, slowdown=realised if case == "slow compute" else 1.0)
             measured_s = _time_to(target, *measured_times(run), run)
             predicted_s = _time_to(target, predicted.steps, predicted.seconds, run)
             entries[case] = {
@@ -194,7 +207,8 @@ def format_table(results: dict, cases: list[str]) -> str:
         return "not reached" if value is None else f"{value:.2f}"
 
     lines = [f"{results['nodes']} nodes (one gloo worker each, netns), {results['steps']} steps of the tiny model; "
-             f"node {results['slow_node']} slow: x{results['slowdown']:g} compute"
+             f"node {results['slow_node']} slow: x{results['slowdown']:g} compute (on the wall clock "
+             f"x{results['slowdown_on_the_wall_clock']:.2f}, a worker having {results['core_share']:.2f} of a core)"
              + (f", or its link {results['slow_link']} instead of {results['link']}" if results["slow_link"] else "")
              + f". Target: validation loss <= {results['target_loss']:.4f}.", "",
              "| method | case | time to target, measured (s) | predicted (s) | error | val loss at the equal run's "

@@ -7,6 +7,7 @@ asserted.)"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,10 @@ def test_a_slow_node_and_a_thin_link_on_two_nodes(tmp_path):
     assert cases["slow compute"]["stretched_s"][1] > 0 and cases["slow compute"]["stretched_s"][0] == 0
     assert cases["equal"]["stretched_s"] is None
     assert len({entry["final_val_loss"] for entry in cases.values()}) == 1
+    # the model takes the slowdown as the stretch gives it on the wall clock: a worker sharing a
+    # core is stretched by its CPU time, its share of the wall time (2 nodes: a core each on 2 cores)
+    share = min(1.0, len(os.sched_getaffinity(0)) / 2)
+    assert result["core_share"] == share and result["slowdown_on_the_wall_clock"] == pytest.approx(1 + 2 * share)
     # the links are the runs' own settings, recorded in their config and summary, and the model
     # takes the rate from that record: a ring goes at its slowest node's
     assert (cases["equal"]["link_bps"], cases["slow link"]["link_bps"]) == (100e6, 10e6)
