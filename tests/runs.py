@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,11 +20,12 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.config import validate
 from lowcomm.config.compose import compose
 from lowcomm.config.sweep import load_sweep
-from lowcomm.launch.local import prepare_run_dir, replica_lighthouse, start_synchronizer
+from lowcomm.launch.local import prepare_run_dir, replica_lighthouse
 from lowcomm.rundir import RunDir
 from lowcomm.train.checkpoint import list_checkpoints
 from lowcomm.train.metrics import read_metrics
-from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
+from lowcomm.train.synchronizer import RECORD as SYNCHRONIZER_RECORD
+from lowcomm.train.synchronizer import SYNCHRONIZER_ENV, SynchronizerProcess, uses_synchronizer
 
 # Small enough for 2 cores: a handful of steps of the tiny model on a small synthetic corpus.
 TINY = [
@@ -58,12 +60,13 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
     from the checkpoint as a relaunched worker does. For tests of what a run computes and
     writes; tests of processes themselves (signals, exit lines, lost peers) launch for real.
     Replica groups of one rank (``cluster.fault_tolerance=torchft``) get their lighthouse as the
-    launcher starts it (:func:`replica_lighthouse`: here, its address in the ranks' environment).
+    launcher starts it (:func:`replica_lighthouse`: here, its address in the ranks' environment);
+    learners, their synchronizer (in a thread here: :class:`ThreadedSynchronizer`).
     A finished run is left as it is, as ``launch_local`` leaves it. Returns the run directory."""
     if RunDir(run.run_dir).read_summary() is not None:
         return run.run_dir
     config_path = prepare_run_dir(run)
-    synchronizer = start_synchronizer(run, config_path)  # (a method of learners: its synchronizer first)
+    synchronizer = ThreadedSynchronizer(run) if uses_synchronizer(run) else None  # (learners: it first)
     lighthouse = replica_lighthouse(run)
     if lighthouse is not None and run.cluster.ranks_per_group != 1:
         lighthouse.shutdown()
@@ -82,8 +85,35 @@ def train_in_workers(run, *, timeout_s: float = 300.0) -> Path:
         if lighthouse is not None:
             lighthouse.shutdown()
         if synchronizer is not None:
-            assert synchronizer.stop() == 0, f"the synchronizer of {run.run_dir} failed"
+            assert synchronizer.stop() == 0, f"the synchronizer of {run.run_dir} failed: {synchronizer.error!r}"
     return run.run_dir
+
+
+class ThreadedSynchronizer:
+    """The run's synchronizer (:class:`SynchronizerProcess`, what ``python -m
+    lowcomm.train.synchronizer`` serves) in a thread of this process rather than a process of its
+    own, as the ranks are forked rather than started: the same state, hub and saved states, without
+    an interpreter's start-up. The process itself is tested by the launchers' tests and on nodes."""
+
+    def __init__(self, run):
+        Path(run.run_dir, SYNCHRONIZER_RECORD).unlink(missing_ok=True)  # an earlier launch's
+        self.process = SynchronizerProcess(run)
+        self.address = self.process.address
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="synchronizer")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.process.serve()
+        except BaseException as error:  # noqa: BLE001 - said by stop()
+            self.error = error
+
+    def stop(self, wait_s: float = 60.0) -> int:
+        """0 once it has served every learner to its end (as the process's exit status); 1 if it
+        failed or still serves after ``wait_s`` (left to its idle timeout, a daemon thread)."""
+        self._thread.join(wait_s)
+        return 1 if self._thread.is_alive() or self.error is not None else 0
 
 
 def _train_rank(rank: int, world: int, config_path: str) -> int:  # noqa: ARG001 - spawn_workers' signature

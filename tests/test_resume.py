@@ -30,7 +30,7 @@ from lowcomm.comm.spawn import spawn_workers
 from lowcomm.rundir import RunDir
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.synchronizer import learner_dir
-from runs import point_id, quickstart_points, tiny_run, train_in_workers
+from runs import ThreadedSynchronizer, point_id, quickstart_points, tiny_run, train_in_workers
 
 POINTS = quickstart_points()
 # each strategy's first point: again with bf16 weights (train.param_dtype), and on twice the ranks
@@ -229,7 +229,7 @@ def _learners_resume_on_four(run, strategy, point: str, capfd) -> None:
     """A method of learners grown to 4: learner r resumes from learner (r mod W)'s checkpoint
     (its optimizer state and RNG), the synchronizer from its state of that step; each learner
     says what it did in its first line and its record."""
-    from lowcomm.launch.local import prepare_run_dir, start_synchronizer
+    from lowcomm.launch.local import prepare_run_dir
     from lowcomm.train.synchronizer import SYNCHRONIZER_ENV
 
     written = run.world_size
@@ -245,7 +245,8 @@ def _learners_resume_on_four(run, strategy, point: str, capfd) -> None:
                      max_steps=6)
     assert grown.run_dir == run.run_dir and grown.world_size == 4
     capfd.readouterr()
-    synchronizer = start_synchronizer(grown, prepare_run_dir(grown))
+    prepare_run_dir(grown)
+    synchronizer = ThreadedSynchronizer(grown)
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(SYNCHRONIZER_ENV, synchronizer.address)
