@@ -304,9 +304,11 @@ def _cli(*argv: str) -> str:
 def slurm_sweep(local_slurm, tmp_path_factory):  # noqa: ARG001 - needs the cluster up
     """A 2-point sweep submitted with lowcomm-sweep and run to completion; its status on the way."""
     directory = tmp_path_factory.mktemp("slurm_sweep")
+    # Decoupled DiLoCo: a job of learners, whose first rank starts their synchronizer on its node
+    # (the other methods' SLURM jobs: test_nodes_slurm, test_lost_peers, the preemption below)
     sweep_file = _write_sweep(directory / "tiny_pair.yaml", {
-        "description": "two learning rates of the tiny model, 2 ranks per job",
-        "base": SLURM_RUN,
+        "description": "two learning rates of the tiny model, 2 learners per job",
+        "base": [*SLURM_RUN, "optimizer=decoupled_diloco", "optimizer.sync_every=10", "optimizer.num_fragments=2"],
         "grid": {"optimizer.lr": [3.0e-3, 1.0e-3]},
     })
     cli_args = [str(sweep_file), f"run_root={directory / 'runs'}"]
@@ -336,6 +338,14 @@ def test_a_two_point_sweep_runs_one_two_rank_job_per_point(slurm_sweep):
         assert "#SBATCH --ntasks-per-node=2" in submission
         assert {path.name for path in (run_dir / "slurm").glob("*_log.out")} == {
             f"{slurm_job_id(run_dir)}_0_log.out", f"{slurm_job_id(run_dir)}_1_log.out"}
+        # the job's synchronizer: started by rank 0 under this job's tag, on the node's name, served
+        # both learners to their end; learner 1's records its own
+        record = json.loads((run_dir / "synchronizer.json").read_text())
+        assert record["launch"] == f"{slurm_job_id(run_dir)}.0" and record["finished"] is True
+        assert record["address"].startswith(f"{socket.gethostname()}:") and record["learners"] == 2
+        assert record["bytes"]["rx"] > 0 and record["bytes"]["tx"] > 0
+        assert json.loads((run_dir / "replicas" / "1" / "summary.json").read_text())["learner"] == 1
+        assert summary["learner"] == 0
     # the two learning rates trained differently
     assert train_losses(run_dirs[0])[-1] != train_losses(run_dirs[1])[-1]
     queued_lines = [line for line in slurm_sweep["status_while_queued"].splitlines() if str(run_dirs[0].parent) in line]
