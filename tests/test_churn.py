@@ -26,9 +26,11 @@ pytestmark = pytest.mark.slow
 
 def test_a_node_lost_and_back_is_survived_by_replica_groups_and_requeued_otherwise(tmp_path):
     # (each node a lowcomm-torchrun of its own: the restart takes torchrun's start too, and the
-    # survivor must still be training when the restarted group reaches its exchange)
-    done = run_shaping_benchmark(CHURN, "--method", "diloco", "--nodes", "2", "--kill-at-step", "30",
-                                 "--rejoin-at-step", "40", "--steps", "240", "--checkpoint-every", "10",
+    # survivor must still be training when the restarted group reaches its exchange: alone, it
+    # ran its last 200 steps in 14 s while the restart took 14-16 s in a slow phase of the VM
+    # (2026-12-03), so it is given 300 steps after the relaunch)
+    done = run_shaping_benchmark(CHURN, "--method", "diloco", "--nodes", "2", "--kill-at-step", "20",
+                                 "--rejoin-at-step", "22", "--steps", "320", "--checkpoint-every", "10",
                                  "--heartbeat-timeout", "2", "--out", str(tmp_path),
                                  "--work", str(tmp_path / "runs"), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
@@ -37,7 +39,8 @@ def test_a_node_lost_and_back_is_survived_by_replica_groups_and_requeued_otherwi
     assert json.loads(done.stdout.strip().splitlines()[-1]) == result
 
     assert result["survivors_stopped"] is False
-    assert result["killed_at_step"] >= 30 and result["rejoined_at_step"] > result["killed_at_step"]
+    assert result["rejoined_at_step"] is not None, "the restarted group never rejoined before the survivor ended"
+    assert result["killed_at_step"] >= 20 and result["rejoined_at_step"] > result["killed_at_step"]
     assert len(set(result["final_val_loss_per_group"])) == 1  # both groups end on one model
     assert result["final_val_loss"] == pytest.approx(result["uninterrupted_final_val_loss"], abs=0.1)
     # the requeue path resumes from a checkpoint: it ends where the uninterrupted run ends
