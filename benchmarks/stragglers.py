@@ -32,7 +32,8 @@ the shared cores give, and a slow node, stretched by ``(F - 1) x`` its step's CP
 on the wall clock by ``1 + (F - 1) x s`` where ``s`` is a worker's share of a core (cores over
 nodes, at most 1: 1.5 for F = 2 with 4 nodes on 2 cores). That is the slowdown the model is given
 (``slowdown_on_the_wall_clock`` in the JSON). What it leaves out: while the slow node sleeps its
-core goes to the others, which then compute faster than the equal run did. Needs root and iproute2; the namespaces are deleted on exit.
+core goes to the others, which then compute faster than the equal run did. Needs root and
+iproute2; the namespaces are deleted on exit.
 """
 
 from __future__ import annotations
